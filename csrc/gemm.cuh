@@ -1,0 +1,167 @@
+// The one GEMM recipe every coda kernel is built from.
+//
+// As in CUTLASS's example 49, a kernel is a type assembled from named parts:
+// a tile configuration (tile, cluster, schedule), the operand layouts, and an
+// epilogue program from cutlass_epilogues/. The collective builders choose
+// the rest (TMA copies, smem layouts, stage counts). The run-time arguments
+// nest the same way as the types.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <string>
+
+#include "error.h"
+#include "kernels.h"
+
+namespace coda::kernels {
+
+template <DType T>
+struct ElementOf;
+template <>
+struct ElementOf<DType::kBFloat16> { using type = cutlass::bfloat16_t; };
+template <>
+struct ElementOf<DType::kFloat16> { using type = cutlass::half_t; };
+
+template <Config C>
+struct TileConfig;
+
+template <>
+struct TileConfig<Config::kCooperative128x256> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+};
+
+template <>
+struct TileConfig<Config::kPingpong128x128> {
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+};
+
+// A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
+// dimension: whichever mode the stride type fixes to 1 is the contiguous one.
+template <class Stride>
+Stride stride_from_ld(int64_t ld) {
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(Stride{}))>>::value) {
+    return Stride{cute::_1{}, ld, int64_t(0)};
+  } else {
+    return Stride{ld, cute::_1{}, int64_t(0)};
+  }
+}
+
+inline int sm_count(int device) {
+  static int counts[64] = {};
+  if (device < 0 || device >= 64) return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  if (counts[device] == 0) counts[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  return counts[device];
+}
+
+template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
+struct Gemm {
+  using Element = typename ElementOf<T>::type;
+  using Tile = TileConfig<C>;
+  using TileShape = typename Tile::TileShape;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
+  using LayoutD = cutlass::layout::RowMajor;
+
+  using EpilogueDescriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, void, Element, typename Tile::EpilogueSchedule>;
+  using EpilogueProgram = Program<Element, EpilogueDescriptor>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, typename Tile::ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD, kAlignment,       // no C: residuals come in through the program's own loads
+      Element, LayoutD, kAlignment,
+      typename Tile::EpilogueSchedule, typename EpilogueProgram::Callbacks>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      Element, LayoutA, kAlignment,
+      Element, LayoutB, kAlignment,
+      float, TileShape, typename Tile::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tile::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideD = typename Kernel::StrideD;
+
+  static typename Device::Arguments arguments(GemmProblem const& p,
+                                              typename EpilogueProgram::Arguments const& epilogue) {
+    int device = 0;
+    cudaGetDevice(&device);
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = device;
+    hw_info.sm_count = sm_count(device);
+
+    typename Device::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {int(p.m), int(p.n), int(p.k), 1},
+        {static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
+         static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
+        {EpilogueProgram::to_callbacks(epilogue), nullptr, stride_from_ld<StrideD>(p.ldd),
+         static_cast<Element*>(p.d), stride_from_ld<StrideD>(p.ldd)},
+        hw_info};
+    using Raster = typename Kernel::TileScheduler::RasterOrderOptions;
+    args.scheduler.raster_order =
+        p.raster == 1 ? Raster::AlongM : (p.raster == 2 ? Raster::AlongN : Raster::Heuristic);
+    args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
+    return args;
+  }
+
+  static size_t workspace_size(GemmProblem const& p) {
+    return Device::get_workspace_size(arguments(p, {}));
+  }
+
+  static Status run(GemmProblem const& p, typename EpilogueProgram::Arguments const& epilogue) {
+    auto args = arguments(p, epilogue);
+    Device gemm;
+    cutlass::Status st = gemm.can_implement(args);
+    if (st != cutlass::Status::kSuccess) {
+      return detail::fail(Status::kNotSupported,
+                          std::string("CUTLASS cannot run this problem: ") + cutlassGetStatusString(st));
+    }
+    size_t need = Device::get_workspace_size(args);
+    void* workspace = p.workspace;
+    bool owned = false;
+    if (need > p.workspace_bytes) {
+      if (p.workspace != nullptr) {
+        return detail::fail(Status::kWorkspaceTooSmall,
+                            "workspace has " + std::to_string(p.workspace_bytes) + " bytes, needs " +
+                                std::to_string(need));
+      }
+      cudaError_t e = cudaMallocAsync(&workspace, need, p.stream);
+      if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaMallocAsync: ") + cudaGetErrorString(e));
+      owned = true;
+    }
+    st = gemm.initialize(args, workspace, p.stream);
+    if (st == cutlass::Status::kSuccess) st = gemm.run(p.stream);
+    cudaError_t launch = cudaGetLastError();
+    if (owned) cudaFreeAsync(workspace, p.stream);
+    if (launch != cudaSuccess) {
+      return detail::fail(Status::kCudaError, std::string("kernel launch: ") + cudaGetErrorString(launch));
+    }
+    if (st != cutlass::Status::kSuccess) {
+      return detail::fail(Status::kKernelError, std::string("CUTLASS: ") + cutlassGetStatusString(st));
+    }
+    return Status::kSuccess;
+  }
+};
+
+}  // namespace coda::kernels

@@ -1,0 +1,120 @@
+// Activations chosen at run time, as CUTLASS epilogue compute functors.
+//
+// One GEMM instantiation serves every activation: the kind travels in the
+// node's Arguments (Sm90Compute hands them to the functor as its last
+// argument), so adding an activation costs a `case`, not a kernel.
+// The branch is uniform across the grid, so it costs no divergence.
+#pragma once
+
+#include <cutlass/array.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+
+namespace coda::epilogues {
+
+// Values are part of the public ABI (coda::Activation mirrors them).
+enum class ActivationKind : int {
+  kIdentity = 0,
+  kGeluTanh = 1,
+  kGeluErf = 2,
+  kReLU = 3,
+  kSiLU = 4,
+};
+
+struct ActivationArguments {
+  ActivationKind kind = ActivationKind::kIdentity;
+};
+
+namespace detail {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluTanhCubic = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kInvSqrt2Pi = 0.3989422804014327f;
+
+CUTLASS_DEVICE float act(ActivationKind kind, float x) {
+  switch (kind) {
+    case ActivationKind::kGeluTanh: {
+      float t = cutlass::fast_tanh(kSqrt2OverPi * (x + kGeluTanhCubic * x * x * x));
+      return 0.5f * x * (1.f + t);
+    }
+    case ActivationKind::kGeluErf:
+      return 0.5f * x * (1.f + erff(x * kInvSqrt2));
+    case ActivationKind::kReLU:
+      return x > 0.f ? x : 0.f;
+    case ActivationKind::kSiLU:
+      return x / (1.f + __expf(-x));
+    default:
+      return x;
+  }
+}
+
+// d act(h) / dh
+CUTLASS_DEVICE float act_grad(ActivationKind kind, float h) {
+  switch (kind) {
+    case ActivationKind::kGeluTanh: {
+      float h2 = h * h;
+      float t = cutlass::fast_tanh(kSqrt2OverPi * (h + kGeluTanhCubic * h2 * h));
+      return 0.5f * (1.f + t) +
+             0.5f * h * (1.f - t * t) * kSqrt2OverPi * (1.f + 3.f * kGeluTanhCubic * h2);
+    }
+    case ActivationKind::kGeluErf:
+      return 0.5f * (1.f + erff(h * kInvSqrt2)) + h * kInvSqrt2Pi * __expf(-0.5f * h * h);
+    case ActivationKind::kReLU:
+      return h > 0.f ? 1.f : 0.f;
+    case ActivationKind::kSiLU: {
+      float s = 1.f / (1.f + __expf(-h));
+      return s * (1.f + h * (1.f - s));
+    }
+    default:
+      return 1.f;
+  }
+}
+
+}  // namespace detail
+
+// y = act(x). Sm90Compute instantiates the scalar form only to find Arguments.
+template <class T>
+struct RuntimeActivation {
+  using Arguments = ActivationArguments;
+  CUTLASS_DEVICE T operator()(T const& x, Arguments const& args) const {
+    return T(detail::act(args.kind, float(x)));
+  }
+};
+
+template <class T, int N>
+struct RuntimeActivation<cutlass::Array<T, N>> {
+  using Arguments = ActivationArguments;
+  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x,
+                                                 Arguments const& args) const {
+    cutlass::Array<T, N> y;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) y[i] = T(detail::act(args.kind, float(x[i])));
+    return y;
+  }
+};
+
+// dh = dy * act'(h): the backward of RuntimeActivation, fed the saved pre-activation.
+template <class T>
+struct RuntimeActivationGrad {
+  using Arguments = ActivationArguments;
+  CUTLASS_DEVICE T operator()(T const& dy, T const& h, Arguments const& args) const {
+    return T(float(dy) * detail::act_grad(args.kind, float(h)));
+  }
+};
+
+template <class T, int N>
+struct RuntimeActivationGrad<cutlass::Array<T, N>> {
+  using Arguments = ActivationArguments;
+  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& dy,
+                                                 cutlass::Array<T, N> const& h,
+                                                 Arguments const& args) const {
+    cutlass::Array<T, N> dh;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i)
+      dh[i] = T(float(dy[i]) * detail::act_grad(args.kind, float(h[i])));
+    return dh;
+  }
+};
+
+}  // namespace coda::epilogues

@@ -1,0 +1,69 @@
+// Epilogue program: dH = acc * act'(H), and dbias[n] = sum over rows of dH.
+//
+// The dgrad GEMM of the layer after an activation computes acc = dY·W, the
+// gradient of the activation's output. Applying act' here, with the saved
+// pre-activation H loaded tile by tile, and reducing the bias gradient over
+// the tokens (M) in the same pass removes two passes over the (M, N)
+// activation gradient. dbias is reduced in fp32 from the unrounded dH.
+// With act = identity and null H / dbias it is the plain dgrad.
+//
+//   dH = convert(                              root, converted to Element
+//          reduce_M(                           Sm90RowReduction -> dbias (null: skipped)
+//            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
+//
+// CUTLASS's Sm90RowReduction is the one that reduces over M (one value per
+// column n); Sm90ColReduction reduces over N.
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/thread/activation.h>
+#include <cutlass/functional.h>
+
+#include "activation.hpp"
+
+namespace coda::epilogues {
+
+template <class Element, class EpilogueDescriptor>
+struct DActDBias {
+  using ElementCompute = float;
+  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
+  using TileShape = typename EpilogueDescriptor::TileShape;
+  using Layout = cutlass::layout::RowMajor;
+
+  using HDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
+  using StrideMN = typename HDesc::Stride;
+  using StrideBias = cute::Stride<cute::_0, cute::_1, int64_t>;
+
+  template <template <class> class Fn, class Out = ElementCompute>
+  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
+
+  using H = cutlass::epilogue::fusion::Sm90AuxLoad<HDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
+                                                   StrideMN, typename HDesc::SmemLayoutAtom, typename HDesc::CopyOpS2R,
+                                                   kAlignment>;
+  using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, cutlass::epilogue::fusion::Sm90AccFetch, H>;
+  using DBias = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, Element,
+                                                  ElementCompute, Round, StrideBias, kAlignment>,
+      DAct>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
+
+  struct Arguments {
+    Element const* pre_act = nullptr;      // (M, N) H, or null
+    int64_t ld_pre_act = 0;
+    ActivationKind activation = ActivationKind::kIdentity;
+    Element* dbias = nullptr;              // (N) or null
+  };
+
+  static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
+    StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));
+    return {
+        {                                        // reduce_M(act_grad(acc, H))
+            {{}, {a.pre_act, Element(0), dH}, {a.activation}},  // act_grad(acc, H)
+            {a.dbias, ElementCompute(0), {}}},   // reduce_M -> dbias
+        {}};                                     // convert
+  }
+};
+
+}  // namespace coda::epilogues

@@ -1,0 +1,265 @@
+"""python -m coda.bench: coda's fused ops against their baselines, in one run.
+
+Baselines, timed in the same process on the same inputs:
+  cublas    the same GEMMs alone (torch.matmul): the floor a fused op is held to
+  eager     the unfused PyTorch code
+  cublaslt  torch._addmm_activation (cuBLASLt's bias+GELU epilogue), where it applies
+  compile   torch.compile of the unfused code
+
+Times are medians (p20, p80 alongside) from triton.testing.do_bench, which
+clears the L2 before every run. `--out DIR` writes DIR/<date>-<device>.json.
+On a machine without an sm_90 GPU it says so and times the reference path
+on the CPU at a small size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import coda
+from coda import _kernels, reference
+
+
+def _commit() -> str:
+    if os.environ.get("CODA_COMMIT"):
+        return os.environ["CODA_COMMIT"]
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=here, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def _time_gpu(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> Dict[str, float]:
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        med, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        return {"median_ms": med, "p20_ms": p20, "p80_ms": p80}
+    # Events, with the L2 cleared before each run, as do_bench does.
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(30):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {"median_ms": times[len(times) // 2], "p20_ms": times[len(times) // 5], "p80_ms": times[4 * len(times) // 5]}
+
+
+def _time_cpu(fn: Callable[[], object], reps: int = 5) -> Dict[str, float]:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"median_ms": times[len(times) // 2], "p20_ms": times[0], "p80_ms": times[-1]}
+
+
+class Runner:
+    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int):
+        self.gpu, self.warmup_ms, self.rep_ms = gpu, warmup_ms, rep_ms
+        self.results: List[Dict] = []
+
+    def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, **extra) -> Optional[Dict]:
+        try:
+            fn()  # compile / warm up outside the timed region
+            t = _time_gpu(fn, self.warmup_ms, self.rep_ms) if self.gpu else _time_cpu(fn)
+        except Exception as e:  # a baseline that does not apply here is reported, not fatal
+            print(f"  {case:<28} {impl:<10} skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            return None
+        row = {"case": case, "impl": impl, **t, "tflops": flops / t["median_ms"] / 1e9, **extra}
+        self.results.append(row)
+        print(f"  {case:<28} {impl:<10} {t['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
+        return row
+
+
+def _grads(fn, inputs, dy):
+    return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
+
+
+def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str) -> None:
+    torch.manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    x, w1, b1 = rand(m, d), rand(f, d, scale=d**-0.5), rand(f)
+    w2, b2, res = rand(d, f, scale=f**-0.5), rand(d), rand(m, d)
+    gelu = "gelu_tanh"
+
+    def eager_linear(x, w, b):
+        return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+    def eager_mlp(x, w1, b1, w2, b2):
+        return reference.mlp_ref(x, w1, b1, w2, b2, gelu)
+
+    compile_linear = torch.compile(eager_linear)
+    compile_mlp = torch.compile(eager_mlp)
+
+    # --- linear + bias + GELU forward, fc1's shape
+    case, fl = f"linear_bias_gelu_fwd_{m}x{d}x{f}", 2.0 * m * d * f
+    with torch.no_grad():
+        r.time(case, "coda", lambda: coda.ops.linear(x, w1, b1, gelu), fl)
+        r.time(case, "cublas", lambda: torch.matmul(x, w1.t()), fl)
+        r.time(case, "eager", lambda: eager_linear(x, w1, b1), fl)
+        r.time(case, "cublaslt", lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True), fl)
+        r.time(case, "compile", lambda: compile_linear(x, w1, b1), fl)
+        if r.gpu:
+            # training forward: also stores the pre-activation for the backward
+            r.time(case + "_save_h", "coda", lambda: torch.ops.coda.linear(x, w1, b1, 1, True), fl)
+
+    # --- MLP forward (inference)
+    case, fl = f"mlp_fwd_{m}x{d}x{f}", 4.0 * m * d * f
+    with torch.no_grad():
+        r.time(case, "coda", lambda: coda.ops.mlp(x, w1, b1, w2, b2, gelu), fl)
+        r.time(case, "cublas", lambda: torch.matmul(torch.matmul(x, w1.t()), w2.t()), fl)
+        r.time(case, "eager", lambda: eager_mlp(x, w1, b1, w2, b2), fl)
+        r.time(case, "compile", lambda: compile_mlp(x, w1, b1, w2, b2), fl)
+
+    # --- MLP forward + backward (training step of the block)
+    case, fl = f"mlp_fwd_bwd_{m}x{d}x{f}", 12.0 * m * d * f
+    params = [t.detach().clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+    dy = rand(m, d)
+    r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl)
+
+    def six_gemms():
+        a = torch.matmul(x, w1.t())
+        torch.matmul(a, w2.t())
+        torch.matmul(dy.t(), a)
+        da = torch.matmul(dy, w2)
+        torch.matmul(da.t(), x)
+        torch.matmul(da, w1)
+
+    r.time(case, "cublas", six_gemms, fl)
+    r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
+    r.time(case, "compile", _grads(compile_mlp, params, dy), fl)
+
+
+def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
+    """Every kernel configuration, raster order and swizzle on the MLP's GEMMs."""
+    torch.manual_seed(0)
+    x, w1, b1 = torch.randn(m, d, device="cuda", dtype=dtype), torch.randn(f, d, device="cuda", dtype=dtype), \
+        torch.randn(f, device="cuda", dtype=dtype)
+    a1, w2, b2 = torch.randn(m, f, device="cuda", dtype=dtype), torch.randn(d, f, device="cuda", dtype=dtype), \
+        torch.randn(d, device="cuda", dtype=dtype)
+    dy = torch.randn(m, d, device="cuda", dtype=dtype)
+    gemms = {
+        # name: (flops, {config: fn})
+        f"fc1_fwd_save_h_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, True)),
+        f"fc1_fwd_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, False)),
+        f"fc2_fwd_residual_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(a1, w2, b2, dy, 0, False)),
+        f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, True)),
+        f"fc1_dgrad_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(a1, w1, None, 0, False)),
+        f"wgrad_{d}x{f}x{m}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_wgrad(dy, a1)),
+    }
+    cublas = {
+        f"fc1_fwd_save_h_{m}x{d}x{f}": lambda: torch.matmul(x, w1.t()),
+        f"fc1_fwd_{m}x{d}x{f}": lambda: torch.matmul(x, w1.t()),
+        f"fc2_fwd_residual_{m}x{f}x{d}": lambda: torch.matmul(a1, w2.t()),
+        f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
+        f"fc1_dgrad_{m}x{f}x{d}": lambda: torch.matmul(a1, w1),
+        f"wgrad_{d}x{f}x{m}": lambda: torch.matmul(dy.t(), a1),
+    }
+    for name, (fl, fn) in gemms.items():
+        r.time(name, "cublas", cublas[name], fl)
+        configs = [0, 1] if name.startswith(("fc1_fwd", "fc2_fwd")) else [0]
+        for config in configs:
+            for raster in (1, 2):
+                for swizzle in (1, 2, 4, 8):
+                    torch.ops.coda.set_tuning(config, raster, swizzle)
+                    r.time(name, f"coda[c{config},r{raster},s{swizzle}]", fn, fl,
+                           config=config, raster=raster, swizzle=swizzle)
+        torch.ops.coda.set_tuning(-1, -1, -1)
+        r.time(name, "coda[auto]", fn, fl)
+
+
+def summarize(results: List[Dict]) -> None:
+    print("\ncase                                   impl        median ms   x cuBLAS")
+    floors = {row["case"]: row["median_ms"] for row in results if row["impl"] == "cublas"}
+    for row in results:
+        floor = floors.get(row["case"])
+        ratio = f"{row['median_ms'] / floor:8.3f}" if floor else "       -"
+        print(f"{row['case']:<38} {row['impl']:<10} {row['median_ms']:10.3f} {ratio}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m coda.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=16384)
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
+    p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
+    p.add_argument("--out", help="write <date>-<device>.json into this folder")
+    p.add_argument("--warmup-ms", type=int, default=100)
+    p.add_argument("--rep-ms", type=int, default=500)
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+
+    gpu = torch.cuda.is_available() and _kernels.device_ok(torch.device("cuda"))
+    if gpu:
+        device_name = torch.cuda.get_device_name()
+        m, d, f = args.tokens, args.hidden, args.ffn
+        print(f"coda.bench on {device_name}: tokens={m} hidden={d} ffn={f} {args.dtype}")
+    else:
+        why = "no CUDA GPU" if not torch.cuda.is_available() else (
+            f"coda's kernels do not run here ({_kernels.LOAD_ERROR or torch.cuda.get_device_name() + ' is not sm_90'})")
+        device_name = "cpu"
+        m, d, f = 256, 256, 1024
+        print(f"coda.bench: {why}; timing the reference path on the CPU at tokens={m} hidden={d} ffn={f}.")
+        dtype = torch.float32
+
+    r = Runner(gpu, args.warmup_ms, args.rep_ms)
+    if not args.only_sweep:
+        run_cases(r, m, d, f, dtype, "cuda" if gpu else "cpu")
+    if gpu and (args.sweep or args.only_sweep):
+        run_sweep(r, m, d, f, dtype)
+    summarize(r.results)
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        date = datetime.datetime.now(datetime.timezone.utc)
+        slug = device_name.lower().replace("nvidia ", "").replace(" ", "-")
+        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{slug}{'-sweep' if args.only_sweep else ''}.json")
+        doc = {
+            "commit": _commit(),
+            "date": date.isoformat(timespec="seconds"),
+            "device": device_name,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dtype": str(dtype).replace("torch.", ""),
+            "shape": {"tokens": m, "hidden": d, "ffn": f},
+            "timer": "triton.testing.do_bench median (L2 cleared per run)" if gpu else "perf_counter median",
+            "results": r.results,
+        }
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

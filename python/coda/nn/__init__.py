@@ -1,0 +1,6 @@
+"""Modules that hold parameters and call coda.ops; state_dicts load from plain PyTorch."""
+
+from .linear import Linear
+from .mlp import MLP
+
+__all__ = ["Linear", "MLP"]

@@ -1,0 +1,26 @@
+"""Shared test helpers: error norms, poisoning, random problems."""
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere in out makes it NaN."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def poison_cuda_allocator(nbytes: int) -> None:
+    """Leave a NaN-filled block in the caching allocator, so outputs a kernel
+    allocates and then fails to write read as NaN (0xFFFF is NaN in bf16 and fp16)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block
+
+
+def within_torch_error(name: str, err: float, torch_err: float, slack: float = 1.1) -> None:
+    """The fused result may be no worse than the unfused torch path in the same dtype."""
+    assert err == err, f"{name}: NaN in output (an element was not written?)"
+    bound = slack * torch_err + 1e-7
+    assert err <= bound, f"{name}: error {err:.3e} exceeds torch's {torch_err:.3e} (bound {bound:.3e})"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU check, in one call on an sm_90 machine with no network:
+# install the carried wheels, build with all cores, run the GPU tests, the C++
+# example against the installed package, and the benchmarks; logs and results
+# go to OUT_DIR.
+#
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick]
+#
+# WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
+# --quick skips the kernel-configuration sweep.
+set -uo pipefail
+WHEELS=${1:?wheel folder}
+OUT=${2:?output folder}
+QUICK=${3:-}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PYTHONUNBUFFERED=1
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "environment"
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl || exit 1
+export PYTHONPATH="$ROOT/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export CUTLASS_INCLUDE_DIR="$SITE/cutlass_library/source/include"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.txt"
+
+step "build"
+export CODA_BUILD_DIR="$ROOT/build/gpu"
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+start=$SECONDS
+python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "built in $((SECONDS - start)) s"
+grep -c "C7510" "$OUT/build.log" | sed 's/^/C7510 warnings: /'
+
+step "GPU tests"
+python3 -m pytest tests -q -rs -x > "$OUT/tests.log" 2>&1 || status=1
+tail -25 "$OUT/tests.log"
+
+step "C++ example against the installed package"
+cmake --build "$CODA_BUILD_DIR" --target coda > "$OUT/cpp.log" 2>&1 &&
+  cmake --install "$CODA_BUILD_DIR" --prefix "$ROOT/build/install" >> "$OUT/cpp.log" 2>&1 &&
+  cmake -S examples/cpp -B build/example -G Ninja -DCMAKE_PREFIX_PATH="$ROOT/build/install" >> "$OUT/cpp.log" 2>&1 &&
+  cmake --build build/example >> "$OUT/cpp.log" 2>&1 &&
+  LD_LIBRARY_PATH="$ROOT/build/install/lib:$ROOT/build/install/lib64:${LD_LIBRARY_PATH:-}" build/example/linear_gelu 2>&1 | tee -a "$OUT/cpp.log" ||
+  { status=1; tail -20 "$OUT/cpp.log"; }
+
+step "benchmarks"
+python3 -m coda.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+if [ "$QUICK" != "--quick" ]; then
+  step "kernel-configuration sweep"
+  python3 -m coda.bench --only-sweep --rep-ms 200 --warmup-ms 50 --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
+  tail -100 "$OUT/sweep.log"
+fi
+step "done, status $status"
+exit $status
