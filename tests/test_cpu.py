@@ -116,10 +116,13 @@ def test_frozen_weights_get_no_grad():
 def test_opcheck_ops():
     x, w, b = make_linear(6, 8, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.coda.linear.default, (x, w, b, 1, True))
-    torch.library.opcheck(torch.ops.coda.linear.default, (x, w, None, 0, False))
+    torch.library.opcheck(torch.ops.coda.linear.default, (x, w, None, 0, True))
+    # inference: nothing saved, nothing to differentiate
+    torch.library.opcheck(torch.ops.coda.linear.default, (x.detach(), w.detach(), None, 2, False))
     ts = make_mlp(6, 8, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.coda.mlp.default, (*ts, 1, True))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts[:5], None, 3, False))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts[:5], None, 0, True))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (*(t.detach() for t in ts[:5]), None, 3, False))
     dy = torch.randn(6, 8)
     x, w1, _, w2, _, _ = (t.detach() for t in ts)
     h1, a1 = torch.randn(6, 16), torch.randn(6, 16)

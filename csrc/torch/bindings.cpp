@@ -6,7 +6,8 @@
 // and sends everything else to the reference path.
 #include <Python.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -86,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Te
   a.ld_pre_act = save_pre_act ? h.stride(0) : 0;
   coda::DType dt = dtype_of(x, "x");
   at::Tensor ws = workspace(coda::linear_workspace_size(dt, a), x);
-  check_status(coda::linear(dt, a, ws.data_ptr(), ws.numel(), at::cuda::getCurrentCUDAStream()), "gemm_linear");
+  check_status(coda::linear(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_linear");
   return {y, h};
 }
 
@@ -122,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
   a.dbias = compute_dbias ? db.data_ptr() : nullptr;
   coda::DType dt = dtype_of(dy, "dy");
   at::Tensor ws = workspace(coda::dgrad_workspace_size(dt, a), dy);
-  check_status(coda::dgrad(dt, a, ws.data_ptr(), ws.numel(), at::cuda::getCurrentCUDAStream()), "gemm_dgrad");
+  check_status(coda::dgrad(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_dgrad");
   return {dx, db};
 }
 
@@ -140,7 +141,7 @@ at::Tensor gemm_wgrad(const at::Tensor& dy, const at::Tensor& x) {
   a.dw = dw.data_ptr(); a.lddw = dw.stride(0);
   coda::DType dt = dtype_of(dy, "dy");
   at::Tensor ws = workspace(coda::wgrad_workspace_size(dt, a), dy);
-  check_status(coda::wgrad(dt, a, ws.data_ptr(), ws.numel(), at::cuda::getCurrentCUDAStream()), "gemm_wgrad");
+  check_status(coda::wgrad(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_wgrad");
   return dw;
 }
 
