@@ -2,6 +2,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -100,8 +101,25 @@ Status check_device() {
     if (_s != Status::kSuccess) return _s;  \
   } while (0)
 
-kernels::GemmProblem problem(int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b, int64_t ldb,
-                             void* d, int64_t ldd, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+// A kernel configuration and its tile-scheduler settings.
+struct Choice {
+  kernels::Config config = kernels::Config::kCooperative128x256;
+  int raster = 0;   // 0: CUTLASS's heuristic, 1: along M, 2: along N
+  int swizzle = 1;
+};
+
+// Tuning overrides (benchmark sweeps) win over the heuristics.
+Choice apply_tuning(Choice c, bool config_free) {
+  Tuning t = current_tuning();
+  if (config_free && t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
+  if (t.raster >= 0) c.raster = t.raster;
+  if (t.swizzle > 0) c.swizzle = t.swizzle;
+  return c;
+}
+
+kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+                             const void* b, int64_t ldb, void* d, int64_t ldd, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
   kernels::GemmProblem p;
   p.m = m; p.n = n; p.k = k;
   p.a = a; p.lda = lda;
@@ -110,26 +128,50 @@ kernels::GemmProblem problem(int64_t m, int64_t n, int64_t k, const void* a, int
   p.workspace = workspace;
   p.workspace_bytes = workspace_bytes;
   p.stream = stream;
-  Tuning t = current_tuning();
-  p.raster = t.raster >= 0 ? t.raster : 0;
-  p.swizzle = t.swizzle > 0 ? t.swizzle : 1;
+  p.raster = choice.raster;
+  p.swizzle = choice.swizzle;
   return p;
 }
 
-// Measured per shape class on an H200 (benchmarks/results): a forward that
-// also stores H writes twice what it reads per tile when K is small, and
-// ping-pong hides that epilogue behind the other warp group's mainloop.
-kernels::Config linear_config(const LinearArgs& a) {
-  int forced = current_tuning().config;
-  if (forced == 0) return kernels::Config::kCooperative128x256;
-  if (forced == 1) return kernels::Config::kPingpong128x128;
-  return a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+// Heuristics per op and shape class, from the sweeps in benchmarks/results
+// (python -m coda.bench --only-sweep on an H200).
+Choice choose_linear(const LinearArgs& a) {
+  Choice c;
+  c.config = a.n > a.k ? kernels::Config::kCooperative128x256 : kernels::Config::kPingpong128x128;
+  c.raster = 0;
+  c.swizzle = 8;
+  return apply_tuning(c, true);
 }
 
-template <kernels::Config C>
-Status run_linear(DType dtype, const kernels::GemmProblem& p, const kernels::LinearActEpilogue& e) {
-  return dtype == DType::kBFloat16 ? kernels::linear_act<DType::kBFloat16, C>(p, e)
-                                   : kernels::linear_act<DType::kFloat16, C>(p, e);
+Choice choose_dgrad(const DgradArgs& a) {
+  Choice c;
+  c.config = kernels::Config::kCooperative128x256;
+  c.swizzle = 8;
+  return apply_tuning(c, true);
+}
+
+Choice choose_wgrad(const WgradArgs&) {
+  Choice c;
+  c.raster = 2;
+  c.swizzle = 8;
+  return apply_tuning(c, false);  // one configuration
+}
+
+// Runs fn(dtype tag) for the run-time dtype.
+template <class Fn>
+auto with_dtype(DType dtype, Fn&& fn) {
+  if (dtype == DType::kBFloat16) return fn(std::integral_constant<DType, DType::kBFloat16>{});
+  return fn(std::integral_constant<DType, DType::kFloat16>{});
+}
+
+// Runs fn(dtype tag, config tag) for the run-time dtype and configuration.
+template <class Fn>
+auto with_kernel(DType dtype, kernels::Config config, Fn&& fn) {
+  using C = kernels::Config;
+  return with_dtype(dtype, [&](auto dt) {
+    if (config == C::kPingpong128x128) return fn(dt, std::integral_constant<C, C::kPingpong128x128>{});
+    return fn(dt, std::integral_constant<C, C::kCooperative128x256>{});
+  });
 }
 
 Status check_dtype_activation(DType dtype, Activation act) {
@@ -164,7 +206,9 @@ void set_tuning(const Tuning& tuning) {
 Tuning get_tuning() { return current_tuning(); }
 
 const char* kernel_configs(const char* op) {
-  if (op != nullptr && std::strcmp(op, "linear") == 0) return "cooperative_128x256_2x1,pingpong_128x128_1x2";
+  if (op != nullptr && (std::strcmp(op, "linear") == 0 || std::strcmp(op, "dgrad") == 0)) {
+    return "cooperative_128x256_2x1,pingpong_128x128_1x2";
+  }
   return "cooperative_128x256_2x1";
 }
 
@@ -180,7 +224,8 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
 
-  auto p = problem(a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, workspace, workspace_bytes, stream);
+  Choice choice = choose_linear(a);
+  auto p = problem(choice, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, workspace, workspace_bytes, stream);
   kernels::LinearActEpilogue e;
   e.bias = a.bias;
   e.pre_act = a.pre_act;
@@ -188,20 +233,15 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   e.activation = static_cast<int>(a.activation);
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
-  return linear_config(a) == kernels::Config::kPingpong128x128
-             ? run_linear<kernels::Config::kPingpong128x128>(dtype, p, e)
-             : run_linear<kernels::Config::kCooperative128x256>(dtype, p, e);
+  return with_kernel(dtype, choice.config,
+                     [&](auto dt, auto cfg) { return kernels::linear_act<dt.value, cfg.value>(p, e); });
 }
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
-  auto p = problem(a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, nullptr, 0, nullptr);
-  bool bf16 = dtype == DType::kBFloat16;
-  if (linear_config(a) == kernels::Config::kPingpong128x128) {
-    return bf16 ? kernels::linear_act_workspace<DType::kBFloat16, kernels::Config::kPingpong128x128>(p)
-                : kernels::linear_act_workspace<DType::kFloat16, kernels::Config::kPingpong128x128>(p);
-  }
-  return bf16 ? kernels::linear_act_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p)
-              : kernels::linear_act_workspace<DType::kFloat16, kernels::Config::kCooperative128x256>(p);
+  Choice choice = choose_linear(a);
+  auto p = problem(choice, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, nullptr, 0, nullptr);
+  return with_kernel(dtype, choice.config,
+                     [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
 }
 
 Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -223,22 +263,23 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
     }
     return Status::kSuccess;
   }
-  auto p = problem(a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, workspace, workspace_bytes, stream);
+  Choice choice = choose_dgrad(a);
+  auto p = problem(choice, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, workspace, workspace_bytes,
+                   stream);
   kernels::DActDBiasEpilogue e;
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
-  return dtype == DType::kBFloat16
-             ? kernels::dact_dbias<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, e)
-             : kernels::dact_dbias<DType::kFloat16, kernels::Config::kCooperative128x256>(p, e);
+  return with_kernel(dtype, choice.config,
+                     [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
 }
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
-  auto p = problem(a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, nullptr, 0, nullptr);
-  return dtype == DType::kBFloat16
-             ? kernels::dact_dbias_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p)
-             : kernels::dact_dbias_workspace<DType::kFloat16, kernels::Config::kCooperative128x256>(p);
+  Choice choice = choose_dgrad(a);
+  auto p = problem(choice, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, nullptr, 0, nullptr);
+  return with_kernel(dtype, choice.config,
+                     [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });
 }
 
 Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -253,16 +294,18 @@ Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_
     if (e != cudaSuccess) return detail::fail(Status::kCudaError, cudaGetErrorString(e));
     return Status::kSuccess;
   }
-  auto p = problem(a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, workspace, workspace_bytes, stream);
-  return dtype == DType::kBFloat16 ? kernels::wgrad_store<DType::kBFloat16, kernels::Config::kCooperative128x256>(p)
-                                   : kernels::wgrad_store<DType::kFloat16, kernels::Config::kCooperative128x256>(p);
+  auto p = problem(choose_wgrad(a), a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, workspace,
+                   workspace_bytes, stream);
+  return with_dtype(dtype, [&](auto dt) {
+    return kernels::wgrad_store<dt.value, kernels::Config::kCooperative128x256>(p);
+  });
 }
 
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
-  auto p = problem(a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, nullptr, 0, nullptr);
-  return dtype == DType::kBFloat16
-             ? kernels::wgrad_store_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p)
-             : kernels::wgrad_store_workspace<DType::kFloat16, kernels::Config::kCooperative128x256>(p);
+  auto p = problem(choose_wgrad(a), a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, nullptr, 0, nullptr);
+  return with_dtype(dtype, [&](auto dt) {
+    return kernels::wgrad_store_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
+  });
 }
 
 }  // namespace coda
