@@ -135,17 +135,21 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 
 // Heuristics per op and shape class, from the sweeps in benchmarks/results
 // (python -m coda.bench --only-sweep on an H200).
+// K-small problems (N > K: fc1, and the dgrad of fc2) spend a larger share
+// of each tile in the epilogue; ping-pong hides it behind the other warp
+// group's mainloop. K-large ones run best cooperative.
 Choice choose_linear(const LinearArgs& a) {
   Choice c;
-  c.config = a.n > a.k ? kernels::Config::kCooperative128x256 : kernels::Config::kPingpong128x128;
-  c.raster = 0;
+  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+  c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c, true);
 }
 
 Choice choose_dgrad(const DgradArgs& a) {
   Choice c;
-  c.config = kernels::Config::kCooperative128x256;
+  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+  c.raster = a.n > a.k ? 2 : 1;
   c.swizzle = 8;
   return apply_tuning(c, true);
 }

@@ -41,21 +41,55 @@ size_t linear_act_workspace(const GemmProblem& p) {
   return LinearActGemm<T, C>::workspace_size(p);
 }
 
+// The bias-gradient partials live in the workspace, after what the GEMM needs.
+template <DType T, Config C>
+size_t dact_dbias_partials_bytes(const GemmProblem& p) {
+  using P = typename DActDBiasGemm<T, C>::EpilogueProgram;
+  return size_t(P::partial_rows(p.m) * P::partial_cols(p.n)) * sizeof(float);
+}
+
+inline size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+template <DType T, Config C>
+size_t dact_dbias_workspace(const GemmProblem& p) {
+  return align_up(DActDBiasGemm<T, C>::workspace_size(p)) + dact_dbias_partials_bytes<T, C>(p);
+}
+
 template <DType T, Config C>
 Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e) {
   using G = DActDBiasGemm<T, C>;
   using E = typename G::Element;
-  typename G::EpilogueProgram::Arguments a;
+  using P = typename G::EpilogueProgram;
+  const size_t need = dact_dbias_workspace<T, C>(p);
+  GemmProblem q = p;
+  bool owned = false;
+  if (e.dbias != nullptr && p.workspace_bytes < need) {
+    if (p.workspace != nullptr) {
+      return detail::fail(Status::kWorkspaceTooSmall, "workspace has " + std::to_string(p.workspace_bytes) +
+                                                          " bytes, needs " + std::to_string(need));
+    }
+    cudaError_t err = cudaMallocAsync(&q.workspace, need, p.stream);
+    if (err != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaMallocAsync: ") + cudaGetErrorString(err));
+    q.workspace_bytes = need;
+    owned = true;
+  }
+  typename P::Arguments a;
   a.pre_act = static_cast<E const*>(e.pre_act);
   a.ld_pre_act = e.ld_pre_act;
   a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-  a.dbias = static_cast<E*>(e.dbias);
-  return G::run(p, a);
-}
-
-template <DType T, Config C>
-size_t dact_dbias_workspace(const GemmProblem& p) {
-  return DActDBiasGemm<T, C>::workspace_size(p);
+  float* partials = nullptr;
+  if (e.dbias != nullptr) {
+    size_t gemm_bytes = align_up(G::workspace_size(p));
+    partials = reinterpret_cast<float*>(static_cast<char*>(q.workspace) + gemm_bytes);
+    a.dbias_partials = partials;
+    q.workspace_bytes = gemm_bytes;
+  }
+  Status s = G::run(q, a);
+  if (s == Status::kSuccess && e.dbias != nullptr) {
+    s = column_sum(T, partials, P::partial_rows(p.m), p.n, P::partial_cols(p.n), e.dbias, p.stream);
+  }
+  if (owned) cudaFreeAsync(q.workspace, p.stream);
+  return s;
 }
 
 template <DType T, Config C>

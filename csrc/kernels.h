@@ -50,6 +50,10 @@ struct DActDBiasEpilogue {
   void* dbias = nullptr;
 };
 
+// out[j] = Σ_r partials[r * ld + j] for j < n, rounded to the dtype; on `stream`.
+Status column_sum(DType dtype, const float* partials, int64_t rows, int64_t n, int64_t ld, void* out,
+                  cudaStream_t stream);
+
 // A (M, K) row-major · B given as (N, K) row-major: the forward, Y = X·Wᵀ.
 template <DType T, Config C>
 Status linear_act(const GemmProblem& p, const LinearActEpilogue& e);

@@ -51,7 +51,7 @@ step "benchmarks"
 python3 -m coda.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
 if [ "$QUICK" != "--quick" ]; then
   step "kernel-configuration sweep"
-  python3 -m coda.bench --only-sweep --rep-ms 200 --warmup-ms 50 --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
+  python3 -m coda.bench --only-sweep --swizzles "${SWIZZLES:-4,8}" --rep-ms 200 --warmup-ms 50 --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
   tail -100 "$OUT/sweep.log"
 fi
 step "done, status $status"

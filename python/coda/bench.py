@@ -157,7 +157,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl)
 
 
-def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
+def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(1, 2, 4, 8)) -> None:
     """Every kernel configuration, raster order and swizzle on the MLP's GEMMs."""
     torch.manual_seed(0)
     x, w1, b1 = torch.randn(m, d, device="cuda", dtype=dtype), torch.randn(f, d, device="cuda", dtype=dtype), \
@@ -171,6 +171,9 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
         f"fc1_fwd_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, False)),
         f"fc2_fwd_residual_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(a1, w2, b2, dy, 0, False)),
         f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, True)),
+        f"fc2_dgrad_dgelu_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, False)),
+        f"fc2_dgrad_dbias_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True)),
+        f"fc2_dgrad_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False)),
         f"fc1_dgrad_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(a1, w1, None, 0, False)),
         f"wgrad_{d}x{f}x{m}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_wgrad(dy, a1)),
     }
@@ -179,6 +182,9 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
         f"fc1_fwd_{m}x{d}x{f}": lambda: torch.matmul(x, w1.t()),
         f"fc2_fwd_residual_{m}x{f}x{d}": lambda: torch.matmul(a1, w2.t()),
         f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
+        f"fc2_dgrad_dgelu_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
+        f"fc2_dgrad_dbias_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
+        f"fc2_dgrad_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
         f"fc1_dgrad_{m}x{f}x{d}": lambda: torch.matmul(a1, w1),
         f"wgrad_{d}x{f}x{m}": lambda: torch.matmul(dy.t(), a1),
     }
@@ -187,7 +193,7 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
         configs = [0] if name.startswith("wgrad") else [0, 1]
         for config in configs:
             for raster in (1, 2):
-                for swizzle in (1, 2, 4, 8):
+                for swizzle in swizzles:
                     torch.ops.coda.set_tuning(config, raster, swizzle)
                     r.time(name, f"coda[c{config},r{raster},s{swizzle}]", fn, fl,
                            config=config, raster=raster, swizzle=swizzle)
@@ -213,6 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
     p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
+    p.add_argument("--swizzles", default="1,2,4,8", help="swizzle sizes the sweep tries")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
@@ -236,7 +243,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.only_sweep:
         run_cases(r, m, d, f, dtype, "cuda" if gpu else "cpu")
     if gpu and (args.sweep or args.only_sweep):
-        run_sweep(r, m, d, f, dtype)
+        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")))
     summarize(r.results)
 
     if args.out:
