@@ -135,9 +135,13 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 
 // Heuristics per op and shape class, from the sweeps in benchmarks/results
 // (python -m coda.bench --only-sweep on an H200).
-// K-small problems (N > K: fc1, and the dgrad of fc2) spend a larger share
-// of each tile in the epilogue; ping-pong hides it behind the other warp
-// group's mainloop. K-large ones run best cooperative.
+// From the sweeps in benchmarks/results (H200, 16384 tokens, 4096 <-> 16384):
+// the forward of a K-small problem (N > K, fc1) runs best ping-pong, which
+// hides its epilogue (bias, GELU, the stored pre-activation) behind the other
+// warp group's mainloop (0.99-1.00x cuBLAS against 1.09-1.14x cooperative);
+// K-large ones (fc2) run best cooperative. Every dgrad measured ran best
+// cooperative, ping-pong 1-12% slower. Swizzle 8 was best or within noise
+// everywhere; raster order moved times by up to 12%.
 Choice choose_linear(const LinearArgs& a) {
   Choice c;
   c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
@@ -148,7 +152,7 @@ Choice choose_linear(const LinearArgs& a) {
 
 Choice choose_dgrad(const DgradArgs& a) {
   Choice c;
-  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+  c.config = kernels::Config::kCooperative128x256;
   c.raster = a.n > a.k ? 2 : 1;
   c.swizzle = 8;
   return apply_tuning(c, true);
