@@ -165,6 +165,19 @@ Choice choose_wgrad(const WgradArgs&) {
   return apply_tuning(c, false);  // one configuration
 }
 
+// The GEMM each op runs, in CUTLASS's terms, for a run or a workspace query.
+kernels::GemmProblem linear_problem(const LinearArgs& a, const Choice& c, void* ws, size_t ws_bytes, cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, ws, ws_bytes, s);
+}
+
+kernels::GemmProblem dgrad_problem(const DgradArgs& a, const Choice& c, void* ws, size_t ws_bytes, cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, ws, ws_bytes, s);
+}
+
+kernels::GemmProblem wgrad_problem(const WgradArgs& a, const Choice& c, void* ws, size_t ws_bytes, cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, ws, ws_bytes, s);
+}
+
 // Runs fn(dtype tag) for the run-time dtype.
 template <class Fn>
 auto with_dtype(DType dtype, Fn&& fn) {
@@ -233,7 +246,7 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   if (a.m == 0) return Status::kSuccess;
 
   Choice choice = choose_linear(a);
-  auto p = problem(choice, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, workspace, workspace_bytes, stream);
+  auto p = linear_problem(a, choice, workspace, workspace_bytes, stream);
   kernels::LinearActEpilogue e;
   e.bias = a.bias;
   e.pre_act = a.pre_act;
@@ -247,7 +260,7 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
   Choice choice = choose_linear(a);
-  auto p = problem(choice, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, nullptr, 0, nullptr);
+  auto p = linear_problem(a, choice, nullptr, 0, nullptr);
   return with_kernel(dtype, choice.config,
                      [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
 }
@@ -272,8 +285,7 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
     return Status::kSuccess;
   }
   Choice choice = choose_dgrad(a);
-  auto p = problem(choice, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, workspace, workspace_bytes,
-                   stream);
+  auto p = dgrad_problem(a, choice, workspace, workspace_bytes, stream);
   kernels::DActDBiasEpilogue e;
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
@@ -285,7 +297,7 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
   Choice choice = choose_dgrad(a);
-  auto p = problem(choice, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, nullptr, 0, nullptr);
+  auto p = dgrad_problem(a, choice, nullptr, 0, nullptr);
   return with_kernel(dtype, choice.config,
                      [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });
 }
@@ -302,15 +314,14 @@ Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_
     if (e != cudaSuccess) return detail::fail(Status::kCudaError, cudaGetErrorString(e));
     return Status::kSuccess;
   }
-  auto p = problem(choose_wgrad(a), a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, workspace,
-                   workspace_bytes, stream);
+  auto p = wgrad_problem(a, choose_wgrad(a), workspace, workspace_bytes, stream);
   return with_dtype(dtype, [&](auto dt) {
     return kernels::wgrad_store<dt.value, kernels::Config::kCooperative128x256>(p);
   });
 }
 
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
-  auto p = problem(choose_wgrad(a), a.m, a.n, a.k, a.dy, a.lddy, a.x, a.ldx, a.dw, a.lddw, nullptr, 0, nullptr);
+  auto p = wgrad_problem(a, choose_wgrad(a), nullptr, 0, nullptr);
   return with_dtype(dtype, [&](auto dt) {
     return kernels::wgrad_store_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
   });

@@ -24,19 +24,20 @@ SITE=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl || exit 1
 export PYTHONPATH="$ROOT/python:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export CUTLASS_INCLUDE_DIR="$SITE/cutlass_library/source/include"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.log"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())' | tee -a "$OUT/gpu.log"
 
 step "build"
 export CODA_BUILD_DIR="$ROOT/build/gpu"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 start=$SECONDS
-python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$OUT/gpu.log"; exit 1; }
 echo "built in $((SECONDS - start)) s"
-grep -c "C7510" "$OUT/build.log" | sed 's/^/C7510 warnings: /'
+grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
 step "GPU tests"
-python3 -m pytest tests -q -rs -x > "$OUT/tests.log" 2>&1 || status=1
+CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs -x > "$OUT/tests.log" 2>&1 || status=1
+python3 -c "import json; d=json.load(open('$OUT/errors.json')); print('worst coda/torch error ratio over', len(d['checks']), 'checks:', d['worst_ratio_to_torch'])" || true
 tail -25 "$OUT/tests.log"
 
 step "C++ example against the installed package"
