@@ -140,7 +140,7 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // hides its epilogue (bias, GELU, the stored pre-activation) behind the other
 // warp group's mainloop (0.99-1.00x cuBLAS against 1.09-1.14x cooperative);
 // K-large ones (fc2) run best cooperative. Every dgrad measured ran best
-// cooperative, ping-pong 1-12% slower. Swizzle 8 was best or within noise
+// cooperative, ping-pong 1-12% slower (so only the cooperative one is built). Swizzle 8 was best or within noise
 // everywhere; raster order moved times by up to 12%.
 Choice choose_linear(const LinearArgs& a) {
   Choice c;
@@ -151,11 +151,10 @@ Choice choose_linear(const LinearArgs& a) {
 }
 
 Choice choose_dgrad(const DgradArgs& a) {
-  Choice c;
-  c.config = kernels::Config::kCooperative128x256;
+  Choice c;  // cooperative: the only dgrad configuration built
   c.raster = a.n > a.k ? 2 : 1;
   c.swizzle = 8;
-  return apply_tuning(c, true);
+  return apply_tuning(c, false);
 }
 
 Choice choose_wgrad(const WgradArgs&) {
@@ -227,9 +226,7 @@ void set_tuning(const Tuning& tuning) {
 Tuning get_tuning() { return current_tuning(); }
 
 const char* kernel_configs(const char* op) {
-  if (op != nullptr && (std::strcmp(op, "linear") == 0 || std::strcmp(op, "dgrad") == 0)) {
-    return "cooperative_128x256_2x1,pingpong_128x128_1x2";
-  }
+  if (op != nullptr && std::strcmp(op, "linear") == 0) return "cooperative_128x256_2x1,pingpong_128x128_1x2";
   return "cooperative_128x256_2x1";
 }
 
@@ -291,15 +288,16 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
-  return with_kernel(dtype, choice.config,
-                     [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
+  return with_dtype(dtype, [&](auto dt) {
+    return kernels::dact_dbias<dt.value, kernels::Config::kCooperative128x256>(p, e);
+  });
 }
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
-  Choice choice = choose_dgrad(a);
-  auto p = dgrad_problem(a, choice, nullptr, 0, nullptr);
-  return with_kernel(dtype, choice.config,
-                     [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });
+  auto p = dgrad_problem(a, choose_dgrad(a), nullptr, 0, nullptr);
+  return with_dtype(dtype, [&](auto dt) {
+    return kernels::dact_dbias_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
+  });
 }
 
 Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {

@@ -1,7 +1,0 @@
-// dact_dbias, bf16, Pingpong128x128: one CUTLASS instantiation.
-#include "kernels.cuh"
-
-namespace coda::kernels {
-template Status dact_dbias<DType::kBFloat16, Config::kPingpong128x128>(const GemmProblem&, const DActDBiasEpilogue&);
-template size_t dact_dbias_workspace<DType::kBFloat16, Config::kPingpong128x128>(const GemmProblem&);
-}  // namespace coda::kernels
