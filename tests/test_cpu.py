@@ -75,6 +75,18 @@ def test_one_dimensional_input_like_nn_linear():
     torch.testing.assert_close(coda.ops.linear(x, w, b), F.linear(x, w, b))
 
 
+def test_kernel_size_rule():
+    # Zero or unaligned feature sizes go to the reference path, never to a kernel.
+    assert coda._kernels.sizes_ok([8, 1024, 3000])
+    assert not coda._kernels.sizes_ok([0, 1024])
+    assert not coda._kernels.sizes_ok([1030, 1024])
+
+
+def test_zero_in_features():
+    x, w, b = torch.randn(4, 0), torch.randn(8, 0), torch.randn(8)
+    torch.testing.assert_close(coda.ops.linear(x, w, b, "relu"), torch.relu(b).expand(4, 8))
+
+
 def test_zero_tokens():
     x = torch.randn(0, 16, requires_grad=True)
     w = torch.randn(8, 16, requires_grad=True)

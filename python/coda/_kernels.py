@@ -55,11 +55,16 @@ def why_not(tensors: Sequence[Optional[torch.Tensor]], inner_sizes: Sequence[int
             return "tensors differ in dtype or device"
         if t.numel() and t.data_ptr() % 16:
             return "a tensor is not 16-byte aligned"
-    if any(s % 8 for s in inner_sizes):
-        return f"feature sizes {list(inner_sizes)} are not all multiples of 8"
+    if not sizes_ok(inner_sizes):
+        return f"feature sizes {list(inner_sizes)} are not all positive multiples of 8"
     if not device_ok(first.device):
         return f"device {first.device} is not sm_90"
     return None
+
+
+def sizes_ok(inner_sizes: Sequence[int]) -> bool:
+    """TMA moves 16-byte rows: every feature size a positive multiple of 8 elements."""
+    return all(s > 0 and s % 8 == 0 for s in inner_sizes)
 
 
 def usable(tensors: Sequence[Optional[torch.Tensor]], inner_sizes: Sequence[int]) -> bool:
@@ -68,7 +73,8 @@ def usable(tensors: Sequence[Optional[torch.Tensor]], inner_sizes: Sequence[int]
 
 def rows(t: torch.Tensor) -> torch.Tensor:
     """t as a 2-D tensor with contiguous, 16-byte-aligned rows."""
-    t = t.reshape(-1, t.shape[-1])
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
     if t.stride(-1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
         t = t.contiguous()
     return t

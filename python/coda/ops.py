@@ -9,6 +9,7 @@ in coda.reference, which gives the same answer.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -51,6 +52,11 @@ def _check_x(x: Tensor, op: str) -> None:
         raise ValueError(f"coda.{op}: x must have at least one dimension (..., in_features), got a scalar")
     if not x.is_floating_point():
         raise TypeError(f"coda.{op}: x must be a floating-point tensor, got {x.dtype}")
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(..., F) -> (rows, F); explicit, so F = 0 is not ambiguous."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _needs_grad(*tensors: Optional[Tensor]) -> bool:
@@ -141,7 +147,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _check_weight("weight", weight, x.shape[-1], x, "linear")
     _check_bias("bias", bias, weight.shape[0], x, "linear")
     act = _activations.code(activation)
-    y, _ = _linear(x.reshape(-1, x.shape[-1]), weight, bias, act, _needs_grad(x, weight, bias))
+    y, _ = _linear(_rows(x), weight, bias, act, _needs_grad(x, weight, bias))
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -240,8 +246,8 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         if tuple(residual.shape) != out_shape:
             raise ValueError(f"coda.mlp: residual must have shape {out_shape}, got {tuple(residual.shape)}")
         _check_same("residual", residual, x, "mlp")
-        residual = residual.reshape(-1, w2.shape[0])
+        residual = _rows(residual)
     act = _activations.code(activation)
-    y, _, _ = _mlp(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, residual, act,
+    y, _, _ = _mlp(_rows(x), w1, b1, w2, b2, residual, act,
                    _needs_grad(x, w1, b1, w2, b2, residual))
     return y.reshape(out_shape)
