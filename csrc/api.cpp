@@ -87,6 +87,10 @@ Status check_shape(int64_t m, int64_t n, int64_t k) {
 Status check_device() {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) {
+    cudaGetLastError();  // not sticky; leave no error behind for the caller
+    return detail::fail(Status::kNotSupported, std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+  }
   if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaGetDevice: ") + cudaGetErrorString(e));
   if (!device_supported(device)) {
     return detail::fail(Status::kNotSupported, "coda's kernels are built for sm_90a (H100/H200); device " +
