@@ -4,6 +4,7 @@ outputs poisoned before each run. Skipped without an sm_90 GPU."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import coda
 from coda import reference
@@ -184,3 +185,26 @@ def test_poisoning_reaches_new_tensors():
     poison_cuda_allocator(1 << 24)
     t = torch.empty(1 << 20, dtype=torch.bfloat16, device="cuda")
     assert torch.isnan(t.float()).all()
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_mlp_module(normalization, seed):
+    # The norm runs unfused for now; the MLP after it is coda's fused one.
+    m = coda.nn.LayerNormMLP(1024, 4096, normalization=normalization, device="cuda", dtype=torch.bfloat16)
+    x = rand(512, 1024, dtype=torch.bfloat16) + 10 * rand(512, 1, dtype=torch.bfloat16)
+    dy = rand(512, 1024, dtype=torch.bfloat16)
+    params = [m.norm.weight, getattr(m.norm, "bias", None), m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias]
+
+    def ref(x, nw, nb, w1, b1, w2, b2):
+        eps = m.norm.eps
+        h = F.layer_norm(x, (1024,), nw, nb, eps) if normalization == "LayerNorm" else F.rms_norm(x, (1024,), nw, eps)
+        return reference.mlp_ref(h, w1, b1, w2, b2, "gelu_tanh", x)
+
+    def fused(x, nw, nb, w1, b1, w2, b2):
+        tensors = {"norm.weight": nw, "fc1.weight": w1, "fc1.bias": b1, "fc2.weight": w2, "fc2.bias": b2}
+        if nb is not None:
+            tensors["norm.bias"] = nb
+        return torch.func.functional_call(m, tensors, (x,), {"residual": x})
+
+    inputs = [x] + [None if p is None else p.detach() for p in params]
+    check_against_torch(f"LayerNormMLP {normalization} seed={seed}", fused, ref, inputs, dy, 8 * 512 * 4096 * 2)

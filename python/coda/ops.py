@@ -13,11 +13,12 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _activations, _kernels, reference
 
-__all__ = ["linear", "mlp"]
+__all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "linear_residual", "row_stats"]
 
 
 # ---- argument checks: errors name the argument and what was expected
@@ -251,3 +252,129 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     y, _, _ = _mlp(_rows(x), w1, b1, w2, b2, residual, act,
                    _needs_grad(x, w1, b1, w2, b2, residual))
     return y.reshape(out_shape)
+
+
+# ---- norms in front of GEMMs
+#
+# The API of the norm-GEMM ops. The norm still runs as its own pass here
+# (F.layer_norm / F.rms_norm); the GEMM after it is coda's fused one. Folding
+# the norm into the GEMM's epilogue (rstd ⊙ (x·(W∘γ)ᵀ − μ·s) + t, see
+# tests/test_norm_fold_numerics.py for why γ goes on W) is the next step.
+
+NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+
+
+def _norm_kind(normalization: str, op: str) -> str:
+    key = normalization.lower() if isinstance(normalization, str) else normalization
+    if key not in NORMALIZATIONS:
+        raise ValueError(f"coda.{op}: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    return key
+
+
+def _check_norm_params(name: str, t: Optional[Tensor], d: int, x: Tensor, op: str, required: bool) -> None:
+    if t is None:
+        if required:
+            raise ValueError(f"coda.{op}: {name} is required")
+        return
+    if t.dim() != 1 or t.shape[0] != d:
+        raise ValueError(f"coda.{op}: {name} must have shape ({d},), got {tuple(t.shape)}")
+    _check_same(name, t, x, op)
+
+
+def _check_stats(stats: Optional[Tensor], x: Tensor, op: str) -> None:
+    if stats is None:
+        return
+    want = (*x.shape[:-1], 2)
+    if tuple(stats.shape) != want or stats.dtype != torch.float32:
+        raise ValueError(f"coda.{op}: stats must be a float32 tensor of shape {want} (mean, rstd per row), "
+                         f"got {stats.dtype} {tuple(stats.shape)}")
+    if stats.device != x.device:
+        raise ValueError(f"coda.{op}: stats is on {stats.device}, expected {x.device} (the device of x)")
+
+
+def _normalize(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, kind: str,
+               stats: Optional[Tensor]) -> Tensor:
+    d = x.shape[-1]
+    if stats is None:
+        if kind == "layernorm":
+            return F.layer_norm(x, (d,), weight, bias, eps)
+        return F.rms_norm(x, (d,), weight, eps)
+    # Precomputed (mean, rstd), e.g. from linear_residual: the same math in fp32.
+    # Gradients flow to x through x itself; stats are functions of x and are
+    # treated as such by the backward (they are recomputed, not differentiated).
+    xf = x.float()
+    mean, rstd = stats[..., :1], stats[..., 1:]
+    if kind == "layernorm":
+        with torch.no_grad():
+            mean_x = xf.mean(-1, keepdim=True)
+            rstd_x = torch.rsqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
+        # value from the given stats, gradient of a true LayerNorm
+        y = F.layer_norm(xf, (d,), None, None, eps)
+        y = y + ((xf - mean) * rstd - (xf - mean_x) * rstd_x).detach()
+    else:
+        with torch.no_grad():
+            rstd_x = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        y = F.rms_norm(xf, (d,), None, eps)
+        y = y + (xf * rstd - xf * rstd_x).detach()
+    y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def row_stats(y: Tensor, normalization: str = "LayerNorm", eps: float = 1e-5) -> Tensor:
+    """(..., F) -> float32 (..., 2): per row (mean, rstd) for LayerNorm, (0, rstd) for RMSNorm."""
+    kind = _norm_kind(normalization, "row_stats")
+    yf = y.detach().float()
+    if kind == "layernorm":
+        mean = yf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(yf.var(-1, unbiased=False, keepdim=True) + eps)
+    else:
+        mean = torch.zeros_like(yf[..., :1])
+        rstd = torch.rsqrt(yf.square().mean(-1, keepdim=True) + eps)
+    return torch.cat([mean, rstd], -1)
+
+
+def layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], weight: Tensor,
+                     bias: Optional[Tensor] = None, eps: float = 1e-5, activation: Optional[str] = None,
+                     stats: Optional[Tensor] = None) -> Tensor:
+    """act(LayerNorm(x)·weightᵀ + bias).
+
+    x: (..., D); ln_weight, ln_bias: (D,); weight: (N, D); bias: (N,) or None;
+    stats: optional float32 (..., 2) per-row (mean, rstd) from linear_residual.
+    """
+    _check_x(x, "layernorm_linear")
+    _check_norm_params("ln_weight", ln_weight, x.shape[-1], x, "layernorm_linear", True)
+    _check_norm_params("ln_bias", ln_bias, x.shape[-1], x, "layernorm_linear", False)
+    _check_stats(stats, x, "layernorm_linear")
+    return linear(_normalize(x, ln_weight, ln_bias, eps, "layernorm", stats), weight, bias, activation)
+
+
+def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                   eps: float = 1e-6, activation: Optional[str] = None, stats: Optional[Tensor] = None) -> Tensor:
+    """act(RMSNorm(x)·weightᵀ + bias). stats: optional float32 (..., 2), (0, rstd) per row."""
+    _check_x(x, "rmsnorm_linear")
+    _check_norm_params("norm_weight", norm_weight, x.shape[-1], x, "rmsnorm_linear", True)
+    _check_stats(stats, x, "rmsnorm_linear")
+    return linear(_normalize(x, norm_weight, None, eps, "rmsnorm", stats), weight, bias, activation)
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor,
+                    normalization: str = "LayerNorm", eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+    """Y = x·weightᵀ + bias + residual, and the row statistics the next norm needs.
+
+    Returns (Y (..., N), stats float32 (..., 2)): per row (mean, rstd) for
+    LayerNorm, (0, rstd) for RMSNorm, for layernorm_linear / rmsnorm_linear.
+    The statistics carry no gradient: those ops' backward recomputes them.
+    """
+    _check_x(x, "linear_residual")
+    _check_weight("weight", weight, x.shape[-1], x, "linear_residual")
+    _check_bias("bias", bias, weight.shape[0], x, "linear_residual")
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if not isinstance(residual, Tensor) or tuple(residual.shape) != out_shape:
+        got = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual).__name__
+        raise ValueError(f"coda.linear_residual: residual must have shape {out_shape}, got {got}")
+    _check_same("residual", residual, x, "linear_residual")
+    kind = _norm_kind(normalization, "linear_residual")
+    y = linear(x, weight, bias) + residual
+    return y, row_stats(y, NORMALIZATIONS[kind], eps)

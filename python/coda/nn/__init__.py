@@ -2,5 +2,7 @@
 
 from .linear import Linear
 from .mlp import MLP
+from .norm_linear import LayerNormLinear, RMSNormLinear
+from .norm_mlp import LayerNormMLP
 
-__all__ = ["Linear", "MLP"]
+__all__ = ["Linear", "MLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP"]

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import _activations, ops
+
+
+def make_norm(normalization: str, size: int, eps: float, device=None, dtype=None) -> nn.Module:
+    """nn.LayerNorm or nn.RMSNorm, so their state_dicts load as they are."""
+    kind = ops._norm_kind(normalization, "nn")
+    if kind == "layernorm":
+        return nn.LayerNorm(size, eps=eps, device=device, dtype=dtype)
+    return nn.RMSNorm(size, eps=eps, device=device, dtype=dtype)
+
+
+def normalized_input(norm: nn.Module, x: torch.Tensor, stats: Optional[torch.Tensor]):
+    """The arguments of layernorm_linear / rmsnorm_linear for this norm."""
+    if isinstance(norm, nn.LayerNorm):
+        return ops._normalize(x, norm.weight, norm.bias, norm.eps, "layernorm", stats)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    return ops._normalize(x, norm.weight, None, eps, "rmsnorm", stats)
+
+
+class LayerNormLinear(nn.Module):
+    """Norm(x) -> Linear (-> activation), in the style of Transformer Engine's LayerNormLinear.
+
+    Parameters live in ``norm`` (an nn.LayerNorm or nn.RMSNorm) and ``linear``
+    (an nn.Linear), so a plain pair's state_dicts load into them as they are.
+    ``forward(x, stats=None)`` takes the per-row (mean, rstd) that
+    coda.ops.linear_residual returns, to skip recomputing them.
+    """
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: Optional[str] = None, device=None, dtype=None):
+        super().__init__()
+        _activations.code(activation)
+        self.normalization = normalization
+        self.activation = activation
+        self.norm = make_norm(normalization, in_features, eps, device, dtype)
+        self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ops._check_stats(stats, x, "nn.LayerNormLinear")
+        return ops.linear(normalized_input(self.norm, x, stats), self.linear.weight, self.linear.bias,
+                          self.activation)
+
+    def extra_repr(self) -> str:
+        return f"normalization={self.normalization!r}, activation={self.activation!r}"
+
+
+class RMSNormLinear(LayerNormLinear):
+    """LayerNormLinear with normalization="RMSNorm" (LLaMA-style), eps 1e-6 by default."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-6, bias: bool = False,
+                 activation: Optional[str] = None, device=None, dtype=None):
+        super().__init__(in_features, out_features, eps=eps, bias=bias, normalization="RMSNorm",
+                         activation=activation, device=device, dtype=dtype)
