@@ -24,7 +24,25 @@ def normalized_input(norm: nn.Module, x: torch.Tensor, stats: Optional[torch.Ten
     return ops._normalize(x, norm.weight, None, eps, "rmsnorm", stats)
 
 
-class LayerNormLinear(nn.Module):
+class NormInFront(nn.Module):
+    """What LayerNormLinear and LayerNormMLP share: a norm in front, an activation name."""
+
+    def __init__(self, size: int, eps: float, normalization: str, activation: Optional[str], device, dtype):
+        super().__init__()
+        _activations.code(activation)
+        self.normalization = normalization
+        self.activation = activation
+        self.norm = make_norm(normalization, size, eps, device, dtype)
+
+    def normed(self, x: torch.Tensor, stats: Optional[torch.Tensor]) -> torch.Tensor:
+        ops._check_stats(stats, x, f"nn.{type(self).__name__}")
+        return normalized_input(self.norm, x, stats)
+
+    def extra_repr(self) -> str:
+        return f"normalization={self.normalization!r}, activation={self.activation!r}"
+
+
+class LayerNormLinear(NormInFront):
     """Norm(x) -> Linear (-> activation), in the style of Transformer Engine's LayerNormLinear.
 
     Parameters live in ``norm`` (an nn.LayerNorm or nn.RMSNorm) and ``linear``
@@ -35,20 +53,11 @@ class LayerNormLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", activation: Optional[str] = None, device=None, dtype=None):
-        super().__init__()
-        _activations.code(activation)
-        self.normalization = normalization
-        self.activation = activation
-        self.norm = make_norm(normalization, in_features, eps, device, dtype)
+        super().__init__(in_features, eps, normalization, activation, device, dtype)
         self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ops._check_stats(stats, x, "nn.LayerNormLinear")
-        return ops.linear(normalized_input(self.norm, x, stats), self.linear.weight, self.linear.bias,
-                          self.activation)
-
-    def extra_repr(self) -> str:
-        return f"normalization={self.normalization!r}, activation={self.activation!r}"
+        return ops.linear(self.normed(x, stats), self.linear.weight, self.linear.bias, self.activation)
 
 
 class RMSNormLinear(LayerNormLinear):

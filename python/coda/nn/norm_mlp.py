@@ -5,11 +5,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _activations, ops
-from .norm_linear import make_norm, normalized_input
+from .. import ops
+from .norm_linear import NormInFront
 
 
-class LayerNormMLP(nn.Module):
+class LayerNormMLP(NormInFront):
     """Norm(x) -> fc1 -> activation -> fc2 (+ residual), like Transformer Engine's LayerNormMLP.
 
     Parameters: ``norm`` (nn.LayerNorm or nn.RMSNorm), ``fc1``, ``fc2``
@@ -20,19 +20,11 @@ class LayerNormMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", activation: Optional[str] = "gelu_tanh", device=None,
                  dtype=None):
-        super().__init__()
-        _activations.code(activation)
-        self.normalization = normalization
-        self.activation = activation
-        self.norm = make_norm(normalization, hidden_size, eps, device, dtype)
+        super().__init__(hidden_size, eps, normalization, activation, device, dtype)
         self.fc1 = nn.Linear(hidden_size, ffn_hidden_size, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 stats: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ops._check_stats(stats, x, "nn.LayerNormMLP")
-        return ops.mlp(normalized_input(self.norm, x, stats), self.fc1.weight, self.fc1.bias, self.fc2.weight,
+        return ops.mlp(self.normed(x, stats), self.fc1.weight, self.fc1.bias, self.fc2.weight,
                        self.fc2.bias, activation=self.activation, residual=residual)
-
-    def extra_repr(self) -> str:
-        return f"normalization={self.normalization!r}, activation={self.activation!r}"
