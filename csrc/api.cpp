@@ -198,6 +198,37 @@ auto with_kernel(DType dtype, kernels::Config config, Fn&& fn) {
   });
 }
 
+// The norm-folding kernels are built for bf16 only.
+Status check_bf16(DType dtype, const char* op) {
+  if (dtype != DType::kBFloat16) {
+    return detail::fail(Status::kNotSupported, std::string(op) + " has bf16 kernels only");
+  }
+  return Status::kSuccess;
+}
+
+// fp32 vectors are read 16 bytes at a time.
+Status check_vector(const char* name, const void* ptr, bool required) {
+  if (ptr == nullptr) {
+    return required ? detail::fail(Status::kInvalidArgument, std::string(name) + " is null") : Status::kSuccess;
+  }
+  if (!aligned16(ptr)) return detail::fail(Status::kMisaligned, std::string(name) + " must be 16-byte aligned");
+  return Status::kSuccess;
+}
+
+kernels::DActRowDotEpilogue rowdot_epilogue(const DgradArgs& a) {
+  kernels::DActRowDotEpilogue e;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
+  e.activation = static_cast<int>(a.activation);
+  e.dbias = a.dbias;
+  e.shift = a.norm_shift;
+  e.col_sum = a.norm_col_sum;
+  e.scale = a.norm_scale;
+  e.c1 = a.norm_c1;
+  e.c2 = a.norm_c2;
+  return e;
+}
+
 Status check_dtype_activation(DType dtype, Activation act) {
   if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
     return detail::fail(Status::kInvalidArgument, "dtype must be bfloat16 or float16");
@@ -287,6 +318,13 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   }
   Choice choice = choose_dgrad(a);
   auto p = dgrad_problem(a, choice, workspace, workspace_bytes, stream);
+  if (a.norm_c1 != nullptr) {
+    CODA_RETURN_IF_ERROR(check_bf16(dtype, "dgrad with norm row dots"));
+    if (a.pre_act == nullptr) return detail::fail(Status::kInvalidArgument, "pre_act is required for the norm row dots");
+    CODA_RETURN_IF_ERROR(check_vector("norm_shift", a.norm_shift, false));
+    CODA_RETURN_IF_ERROR(check_vector("norm_col_sum", a.norm_col_sum, false));
+    return kernels::dact_rowdot<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
+  }
   kernels::DActDBiasEpilogue e;
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
@@ -299,6 +337,9 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
   auto p = dgrad_problem(a, choose_dgrad(a), nullptr, 0, nullptr);
+  if (a.norm_c1 != nullptr) {
+    return kernels::dact_rowdot_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
+  }
   return with_dtype(dtype, [&](auto dt) {
     return kernels::dact_dbias_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
   });
@@ -327,6 +368,219 @@ size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
   return with_dtype(dtype, [&](auto dt) {
     return kernels::wgrad_store_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
   });
+}
+
+// ---- norms folded into GEMMs
+
+namespace {
+
+kernels::NormLinearEpilogue norm_linear_epilogue(const NormLinearArgs& a) {
+  kernels::NormLinearEpilogue e;
+  e.mean = a.mean;
+  e.rstd = a.rstd;
+  e.col_sum = a.col_sum;
+  e.shift = a.shift;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
+  e.activation = static_cast<int>(a.activation);
+  return e;
+}
+
+kernels::LinearResidualStatsEpilogue residual_stats_epilogue(const LinearResidualArgs& a) {
+  kernels::LinearResidualStatsEpilogue e;
+  e.bias = a.bias;
+  e.residual = a.residual;
+  e.ld_residual = a.ld_residual;
+  e.layernorm = a.mean != nullptr;
+  e.eps = a.eps;
+  e.mean = a.mean;
+  e.rstd = a.rstd;
+  return e;
+}
+
+kernels::NormDgradEpilogue norm_dgrad_epilogue(const NormDgradArgs& a) {
+  kernels::NormDgradEpilogue e;
+  e.x = a.x;
+  e.ld_x = a.ldx;
+  e.mean = a.mean;
+  e.rstd = a.rstd;
+  e.gamma = a.gamma;
+  e.beta = a.beta;
+  e.c1 = a.c1;
+  e.c2 = a.c2;
+  e.residual_grad = a.residual_grad;
+  e.ld_residual_grad = a.ld_residual_grad;
+  e.normalized = a.normalized;
+  e.ld_normalized = a.ld_normalized;
+  e.dgamma = a.dgamma;
+  e.dbeta = a.dbeta;
+  return e;
+}
+
+kernels::GemmProblem norm_linear_problem(const NormLinearArgs& a, const Choice& c, void* ws, size_t ws_bytes,
+                                         cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, ws, ws_bytes, s);
+}
+
+kernels::GemmProblem residual_problem(const LinearResidualArgs& a, const Choice& c, void* ws, size_t ws_bytes,
+                                      cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy, ws, ws_bytes, s);
+}
+
+kernels::GemmProblem norm_dgrad_problem(const NormDgradArgs& a, const Choice& c, void* ws, size_t ws_bytes,
+                                        cudaStream_t s) {
+  return problem(c, a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx, ws, ws_bytes, s);
+}
+
+// The same shape classes as the plain ops (ping-pong forward for N > K).
+Choice choose_norm_linear(const NormLinearArgs& a) {
+  LinearArgs l;
+  l.n = a.n;
+  l.k = a.k;
+  return choose_linear(l);
+}
+
+Choice choose_norm_dgrad(const NormDgradArgs& a) {
+  DgradArgs d;
+  d.n = a.n;
+  d.k = a.k;
+  return choose_dgrad(d);
+}
+
+Choice choose_residual(const LinearResidualArgs&) {
+  Choice c;  // cooperative: the only configuration built
+  c.raster = 1;
+  c.swizzle = 8;
+  return apply_tuning(c, false);
+}
+
+}  // namespace
+
+Status fold_norm_weight(DType dtype, const FoldNormWeightArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, Activation::kIdentity));
+  if (a.n < 0 || a.k <= 0) return detail::fail(Status::kInvalidArgument, "fold_norm_weight: sizes must be positive");
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("folded", a.folded, a.ld_folded, a.k, false));
+  CODA_RETURN_IF_ERROR(check_vector("gamma", a.gamma, true));
+  CODA_RETURN_IF_ERROR(check_vector("beta", a.beta, false));
+  if (a.shift == nullptr) return detail::fail(Status::kInvalidArgument, "shift is null");
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::fold_norm_weight(dtype, a, stream);
+}
+
+Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, Activation::kIdentity));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "row_stats: sizes must be positive");
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.n, true));
+  if (a.rstd == nullptr) return detail::fail(Status::kInvalidArgument, "rstd is null");
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::row_stats(dtype, a, stream);
+}
+
+Status norm_linear(DType dtype, const NormLinearArgs& a, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, a.activation));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
+  CODA_RETURN_IF_ERROR(check_vector("mean", a.mean, false));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, true));
+  CODA_RETURN_IF_ERROR(check_vector("col_sum", a.col_sum, false));
+  CODA_RETURN_IF_ERROR(check_vector("shift", a.shift, false));
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_linear"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  Choice choice = choose_norm_linear(a);
+  auto p = norm_linear_problem(a, choice, workspace, workspace_bytes, stream);
+  auto e = norm_linear_epilogue(a);
+  if (choice.config == kernels::Config::kPingpong128x128) {
+    return kernels::norm_linear_act<DType::kBFloat16, kernels::Config::kPingpong128x128>(p, e);
+  }
+  return kernels::norm_linear_act<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, e);
+}
+
+size_t norm_linear_workspace_size(DType, const NormLinearArgs& a) {
+  Choice choice = choose_norm_linear(a);
+  auto p = norm_linear_problem(a, choice, nullptr, 0, nullptr);
+  if (choice.config == kernels::Config::kPingpong128x128) {
+    return kernels::norm_linear_act_workspace<DType::kBFloat16, kernels::Config::kPingpong128x128>(p);
+  }
+  return kernels::norm_linear_act_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p);
+}
+
+Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, Activation::kIdentity));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("residual", a.residual, a.ld_residual, a.n, false));
+  if (a.bias != nullptr && !aligned16(a.bias)) return detail::fail(Status::kMisaligned, "bias must be 16-byte aligned");
+  if (a.rstd == nullptr) return detail::fail(Status::kInvalidArgument, "rstd is null");
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "linear_residual"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  auto p = residual_problem(a, choose_residual(a), workspace, workspace_bytes, stream);
+  return kernels::linear_residual_stats<DType::kBFloat16, kernels::Config::kCooperative128x256>(
+      p, residual_stats_epilogue(a));
+}
+
+size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
+  auto p = residual_problem(a, choose_residual(a), nullptr, 0, nullptr);
+  return kernels::linear_residual_stats_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(
+      p, residual_stats_epilogue(a));
+}
+
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, a.activation));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "norm_row_dots: sizes must be positive");
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dp", a.dp, a.lddp, a.n, a.activation != Activation::kIdentity));
+  if (a.c1 == nullptr) return detail::fail(Status::kInvalidArgument, "c1 is null");
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::norm_row_dots(dtype, a, stream);
+}
+
+Status norm_dgrad(DType dtype, const NormDgradArgs& a, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, Activation::kIdentity));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("residual_grad", a.residual_grad, a.ld_residual_grad, a.n, false));
+  CODA_RETURN_IF_ERROR(check_matrix("normalized", a.normalized, a.ld_normalized, a.n, false));
+  CODA_RETURN_IF_ERROR(check_vector("mean", a.mean, false));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, true));
+  CODA_RETURN_IF_ERROR(check_vector("gamma", a.gamma, true));
+  CODA_RETURN_IF_ERROR(check_vector("beta", a.beta, false));
+  CODA_RETURN_IF_ERROR(check_vector("c1", a.c1, true));
+  CODA_RETURN_IF_ERROR(check_vector("c2", a.c2, false));
+  if ((a.dgamma != nullptr && !aligned16(a.dgamma)) || (a.dbeta != nullptr && !aligned16(a.dbeta))) {
+    return detail::fail(Status::kMisaligned, "dgamma and dbeta must be 16-byte aligned");
+  }
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_dgrad"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) {
+    for (void* g : {a.dgamma, a.dbeta}) {
+      if (g == nullptr) continue;
+      cudaError_t e = cudaMemsetAsync(g, 0, a.n * 2, stream);
+      if (e != cudaSuccess) return detail::fail(Status::kCudaError, cudaGetErrorString(e));
+    }
+    return Status::kSuccess;
+  }
+  auto p = norm_dgrad_problem(a, choose_norm_dgrad(a), workspace, workspace_bytes, stream);
+  return kernels::norm_dgrad<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, norm_dgrad_epilogue(a));
+}
+
+size_t norm_dgrad_workspace_size(DType, const NormDgradArgs& a) {
+  auto p = norm_dgrad_problem(a, choose_norm_dgrad(a), nullptr, 0, nullptr);
+  return kernels::norm_dgrad_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, norm_dgrad_epilogue(a));
 }
 
 }  // namespace coda

@@ -129,6 +129,7 @@ struct Gemm {
     return Device::get_workspace_size(arguments(p, {}));
   }
 
+  // Runs on p.workspace, which must hold workspace_size(p) bytes (see with_workspace).
   static Status run(GemmProblem const& p, typename EpilogueProgram::Arguments const& epilogue) {
     auto args = arguments(p, epilogue);
     Device gemm;
@@ -138,22 +139,13 @@ struct Gemm {
                           std::string("CUTLASS cannot run this problem: ") + cutlassGetStatusString(st));
     }
     size_t need = Device::get_workspace_size(args);
-    void* workspace = p.workspace;
-    bool owned = false;
     if (need > p.workspace_bytes) {
-      if (p.workspace != nullptr) {
-        return detail::fail(Status::kWorkspaceTooSmall,
-                            "workspace has " + std::to_string(p.workspace_bytes) + " bytes, needs " +
-                                std::to_string(need));
-      }
-      cudaError_t e = cudaMallocAsync(&workspace, need, p.stream);
-      if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaMallocAsync: ") + cudaGetErrorString(e));
-      owned = true;
+      return detail::fail(Status::kWorkspaceTooSmall, "workspace has " + std::to_string(p.workspace_bytes) +
+                                                          " bytes, needs " + std::to_string(need));
     }
-    st = gemm.initialize(args, workspace, p.stream);
+    st = gemm.initialize(args, p.workspace, p.stream);
     if (st == cutlass::Status::kSuccess) st = gemm.run(p.stream);
     cudaError_t launch = cudaGetLastError();
-    if (owned) cudaFreeAsync(workspace, p.stream);
     if (launch != cudaSuccess) {
       return detail::fail(Status::kCudaError, std::string("kernel launch: ") + cudaGetErrorString(launch));
     }
@@ -163,5 +155,39 @@ struct Gemm {
     return Status::kSuccess;
   }
 };
+
+inline size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The workspace of an op: the GEMM's own bytes, then `extra` bytes of
+// scratch (fp32 reduction partials) after them.
+template <class G>
+size_t workspace_with(GemmProblem const& p, size_t extra) {
+  return align_up(G::workspace_size(p)) + extra;
+}
+
+// Calls fn(q, scratch): q is p with its workspace cut to the GEMM's part,
+// scratch points at the `extra` bytes after it. A caller that passed no
+// workspace gets one allocated stream-ordered for this call; one that passed
+// too small a workspace gets an error.
+template <class G, class Fn>
+Status with_workspace(GemmProblem const& p, size_t extra, Fn&& fn) {
+  const size_t gemm_bytes = align_up(G::workspace_size(p));
+  const size_t need = gemm_bytes + extra;
+  GemmProblem q = p;
+  bool owned = false;
+  if (p.workspace_bytes < need) {
+    if (p.workspace != nullptr) {
+      return detail::fail(Status::kWorkspaceTooSmall, "workspace has " + std::to_string(p.workspace_bytes) +
+                                                          " bytes, needs " + std::to_string(need));
+    }
+    cudaError_t e = cudaMallocAsync(&q.workspace, need, p.stream);
+    if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaMallocAsync: ") + cudaGetErrorString(e));
+    owned = true;
+  }
+  q.workspace_bytes = gemm_bytes;
+  Status s = fn(q, q.workspace == nullptr ? nullptr : static_cast<char*>(q.workspace) + gemm_bytes);
+  if (owned) cudaFreeAsync(q.workspace, p.stream);
+  return s;
+}
 
 }  // namespace coda::kernels

@@ -50,9 +50,79 @@ struct DActDBiasEpilogue {
   void* dbias = nullptr;
 };
 
+// The epilogues of the norm-folding ops (cutlass_epilogues/norm_*.hpp,
+// linear_residual_stats.hpp, dact_dbias_rowdot.hpp). Vectors named mean, rstd,
+// c1, c2 are per row (fp32); col_sum (s) and shift (t) per column (fp32);
+// gamma/beta, bias and dgamma/dbeta/dbias are in the GEMM's dtype.
+struct NormLinearEpilogue {
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const float* col_sum = nullptr;
+  const float* shift = nullptr;
+  void* pre_act = nullptr;
+  int64_t ld_pre_act = 0;
+  int activation = 0;
+};
+
+struct LinearResidualStatsEpilogue {
+  const void* bias = nullptr;
+  const void* residual = nullptr;
+  int64_t ld_residual = 0;
+  bool layernorm = true;  // false: RMSNorm (mean not computed)
+  float eps = 1e-5f;
+  float* mean = nullptr;  // (M) out, or null
+  float* rstd = nullptr;  // (M) out
+};
+
+struct DActRowDotEpilogue {
+  const void* pre_act = nullptr;
+  int64_t ld_pre_act = 0;
+  int activation = 0;
+  void* dbias = nullptr;
+  const float* shift = nullptr;
+  const float* col_sum = nullptr;
+  float scale = 1.f;      // 1/d of the norm the row dots are for
+  float* c1 = nullptr;    // (M) out: scale · Σ_n dH ⊙ (H − shift)
+  float* c2 = nullptr;    // (M) out: scale · Σ_n dH ⊙ col_sum, or null
+};
+
+struct NormDgradEpilogue {
+  const void* x = nullptr;
+  int64_t ld_x = 0;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const void* gamma = nullptr;
+  const void* beta = nullptr;
+  const float* c1 = nullptr;
+  const float* c2 = nullptr;
+  const void* residual_grad = nullptr;
+  int64_t ld_residual_grad = 0;
+  void* normalized = nullptr;
+  int64_t ld_normalized = 0;
+  void* dgamma = nullptr;
+  void* dbeta = nullptr;
+};
+
+// ---- small non-GEMM kernels (csrc/column_sum.cu, csrc/norm_kernels.cu)
+
 // out[j] = Σ_r partials[r * ld + j] for j < n, rounded to the dtype; on `stream`.
 Status column_sum(DType dtype, const float* partials, int64_t rows, int64_t n, int64_t ld, void* out,
                   cudaStream_t stream);
+
+// Per-row partials (tile t of row r at partials[t * ld + r]) merged:
+// out[r] = scale · Σ_t partials[t * ld + r].
+Status row_partials_sum(const float* partials, int64_t tiles, int64_t ld, int64_t rows, float scale, float* out,
+                        cudaStream_t stream);
+// mean and rstd of rows of length n from per-row partials of Σy (null for
+// RMSNorm: mean is not written) and Σy².
+Status row_partials_stats(const float* sum, const float* sumsq, int64_t tiles, int64_t ld, int64_t rows, int64_t n,
+                          float eps, float* mean, float* rstd, cudaStream_t stream);
+
+// The bodies of the public coda::fold_norm_weight, row_stats, norm_row_dots
+// (arguments already checked).
+Status fold_norm_weight(DType dtype, const FoldNormWeightArgs& a, cudaStream_t stream);
+Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream);
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream);
 
 // A (M, K) row-major · B given as (N, K) row-major: the forward, Y = X·Wᵀ.
 template <DType T, Config C>
@@ -71,5 +141,24 @@ template <DType T, Config C>
 Status wgrad_store(const GemmProblem& p);
 template <DType T, Config C>
 size_t wgrad_store_workspace(const GemmProblem& p);
+
+// The norm-folding GEMMs, bf16 only (other dtypes take the reference path).
+// Layouts as linear_act (forward) and dact_dbias (dgrad).
+template <DType T, Config C>
+Status norm_linear_act(const GemmProblem& p, const NormLinearEpilogue& e);
+template <DType T, Config C>
+size_t norm_linear_act_workspace(const GemmProblem& p);
+template <DType T, Config C>
+Status linear_residual_stats(const GemmProblem& p, const LinearResidualStatsEpilogue& e);
+template <DType T, Config C>
+size_t linear_residual_stats_workspace(const GemmProblem& p, const LinearResidualStatsEpilogue& e);
+template <DType T, Config C>
+Status dact_rowdot(const GemmProblem& p, const DActRowDotEpilogue& e);
+template <DType T, Config C>
+size_t dact_rowdot_workspace(const GemmProblem& p, const DActRowDotEpilogue& e);
+template <DType T, Config C>
+Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e);
+template <DType T, Config C>
+size_t norm_dgrad_workspace(const GemmProblem& p, const NormDgradEpilogue& e);
 
 }  // namespace coda::kernels

@@ -27,6 +27,7 @@
 #include <cutlass/functional.h>
 
 #include "activation.hpp"
+#include "norm_ops.hpp"
 
 namespace coda::epilogues {
 
@@ -61,14 +62,10 @@ struct DActDBias {
     Element const* pre_act = nullptr;      // (M, N) H, or null
     int64_t ld_pre_act = 0;
     ActivationKind activation = ActivationKind::kIdentity;
-    float* dbias_partials = nullptr;       // (partial_rows(M), partial_cols(N)) fp32, or null
+    float* dbias_partials = nullptr;       // Partial::per_col_floats(M, N), or null
   };
 
-  static int64_t partial_rows(int64_t m) { return (m + cute::size<0>(TileShape{}) - 1) / cute::size<0>(TileShape{}); }
-  static int64_t partial_cols(int64_t n) {
-    constexpr int64_t tn = cute::size<1>(TileShape{});
-    return (n + tn - 1) / tn * tn;
-  }
+  using Partial = Partials<TileShape>;
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
     StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));

@@ -1,6 +1,6 @@
 """The norm-GEMM ops and modules on the reference path (CPU): values, gradients,
-precomputed statistics, errors and state_dict loading. The norm still runs
-unfused; these pin the API that the folded kernels will sit behind."""
+precomputed statistics, errors and state_dict loading. On an H200 the same
+ops run the folded kernels (tests/test_gpu_norm.py)."""
 
 import pytest
 import torch
@@ -131,3 +131,48 @@ def test_layernorm_mlp_compiles_fullgraph():
     x.grad = None
     m(x, residual=x).sum().backward()
     torch.testing.assert_close(g, x.grad)
+
+
+@pytest.mark.parametrize("normalization,residual", [("LayerNorm", "input"), ("RMSNorm", "other"), ("LayerNorm", None)])
+def test_norm_mlp_gradcheck(normalization, residual):
+    layernorm = normalization == "LayerNorm"
+    x, g, b, w1, b1 = ln_inputs(m=4, d=8, n=12)
+    w2, b2 = torch.randn(8, 12, dtype=torch.float64) / 12**0.5, torch.randn(8, dtype=torch.float64)
+    r = torch.randn(4, 8, dtype=torch.float64) if residual == "other" else None
+    inputs = [t.requires_grad_(True) for t in (x, g, b, w1, b1, w2, b2)] + ([r.requires_grad_(True)] if r is not None else [])
+
+    def fn(x, g, b, w1, b1, w2, b2, *rest):
+        res = x if residual == "input" else (rest[0] if rest else None)
+        return coda.ops.norm_mlp(x, g, b if layernorm else None, w1, b1, w2, b2, normalization, 1e-5, "gelu_tanh",
+                                 res)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    ref = coda.reference.norm_mlp_ref(x, g, b if layernorm else None, w1, b1, w2, b2, layernorm, 1e-5, "gelu_tanh",
+                                      x if residual == "input" else r)
+    assert rel_err(fn(*inputs), ref) < 1e-12
+
+
+def test_linear_residual_gradcheck():
+    x, _, _, w, bias = ln_inputs(m=4, d=8, n=8)
+    r = torch.randn(4, 8, dtype=torch.float64)
+    inputs = [t.requires_grad_(True) for t in (x, w, bias, r)]
+    assert torch.autograd.gradcheck(lambda *a: coda.ops.linear_residual(*a)[0], inputs)
+
+
+def test_fold_reference_cancels_with_the_rounded_weight():
+    _, g, b, w, bias = ln_inputs(dtype=torch.bfloat16)
+    folded, s, t = coda.reference.fold_norm_weight(w, g, b, bias)
+    assert folded.dtype == torch.bfloat16 and s.dtype == torch.float32 and t.dtype == torch.float32
+    assert torch.equal(s, folded.float().sum(-1))  # s from the rounded W̃, not from W∘γ
+    torch.testing.assert_close(t, w.float() @ b.float() + bias.float())
+
+
+def test_norm_mlp_errors():
+    x, g, b, w1, b1 = ln_inputs(m=4, d=8, n=12)
+    w2 = torch.randn(8, 12, dtype=torch.float64)
+    with pytest.raises(ValueError, match="norm_bias must be None for RMSNorm"):
+        coda.ops.norm_mlp(x, g, b, w1, b1, w2, None, "RMSNorm")
+    with pytest.raises(ValueError, match=r"w2 must have shape \(out_features, 12\)"):
+        coda.ops.norm_mlp(x, g, b, w1, b1, w2[:, :8], None)
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 8\)"):
+        coda.ops.norm_mlp(x, g, b, w1, b1, w2, None, residual=torch.zeros(4, 7, dtype=torch.float64))

@@ -36,7 +36,7 @@ echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
 step "GPU tests"
-CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs -x > "$OUT/tests.log" 2>&1 || status=1
+CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
 python3 -c "import json; d=json.load(open('$OUT/errors.json')); print('worst coda/torch error ratio over', len(d['checks']), 'checks:', d['worst_ratio_to_torch'])" || true
 tail -25 "$OUT/tests.log"
 
@@ -49,7 +49,8 @@ cmake --build "$CODA_BUILD_DIR" --target coda > "$OUT/cpp.log" 2>&1 &&
   { status=1; tail -20 "$OUT/cpp.log"; }
 
 step "benchmarks"
-python3 -m coda.bench --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+python3 -m coda.bench --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
 if [ "$QUICK" != "--quick" ]; then
   step "kernel-configuration sweep"
   python3 -m coda.bench --only-sweep --swizzles "${SWIZZLES:-4,8}" --rep-ms 200 --warmup-ms 50 --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1

@@ -6,8 +6,9 @@
 """
 
 from . import nn, ops, reference
+from ._fold_cache import clear as clear_fold_cache
 from ._kernels import available as kernels_available
 from ._kernels import device_ok as kernels_run_on
 
 __version__ = "0.1.0"
-__all__ = ["ops", "nn", "reference", "kernels_available", "kernels_run_on", "__version__"]
+__all__ = ["ops", "nn", "reference", "kernels_available", "kernels_run_on", "clear_fold_cache", "__version__"]

@@ -71,6 +71,11 @@ def usable(tensors: Sequence[Optional[torch.Tensor]], inner_sizes: Sequence[int]
     return why_not(tensors, inner_sizes) is None
 
 
+def norm_usable(tensors: Sequence[Optional[torch.Tensor]], inner_sizes: Sequence[int]) -> bool:
+    """Kernel-ready for the norm-folding kernels, which are built for bf16 only."""
+    return tensors[0].dtype == torch.bfloat16 and usable(tensors, inner_sizes)
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """t as a 2-D tensor with contiguous, 16-byte-aligned rows."""
     if t.dim() != 2:
@@ -97,3 +102,47 @@ if available():
     @torch.library.register_fake("coda::gemm_wgrad")
     def _(dy, x):
         return dy.new_empty(dy.shape[1], x.shape[1])
+
+    def _f32(like, *shape):
+        return like.new_empty(*shape, dtype=torch.float32)
+
+    @torch.library.register_fake("coda::norm_fold_weight")
+    def _(weight, gamma, beta, bias, want_folded):
+        n = weight.shape[0]
+        return (weight.new_empty(weight.shape) if want_folded else weight.new_empty(0)), _f32(weight, n), \
+            _f32(weight, n)
+
+    @torch.library.register_fake("coda::norm_row_stats")
+    def _(x, layernorm, eps):
+        return _f32(x, x.shape[0] if layernorm else 0), _f32(x, x.shape[0])
+
+    @torch.library.register_fake("coda::gemm_norm_linear")
+    def _(x, weight, mean, rstd, col_sum, shift, activation, save_pre_act):
+        shape = (x.shape[0], weight.shape[0])
+        return x.new_empty(shape), (x.new_empty(shape) if save_pre_act else x.new_empty(0))
+
+    @torch.library.register_fake("coda::gemm_linear_residual")
+    def _(x, weight, bias, residual, layernorm, eps):
+        m = x.shape[0]
+        return x.new_empty(m, weight.shape[0]), _f32(x, m if layernorm else 0), _f32(x, m)
+
+    @torch.library.register_fake("coda::gemm_dgrad_rowdot")
+    def _(dy, weight, pre_act, activation, compute_dbias, shift, col_sum, scale):
+        m, n = dy.shape[0], weight.shape[1]
+        with_c2 = col_sum is not None and col_sum.numel() > 0
+        return dy.new_empty(m, n), (dy.new_empty(n) if compute_dbias else dy.new_empty(0)), _f32(dy, m), \
+            _f32(dy, m if with_c2 else 0)
+
+    @torch.library.register_fake("coda::norm_row_dots")
+    def _(dy, pre_act, activation, shift, col_sum, scale):
+        m = dy.shape[0]
+        with_c2 = col_sum is not None and col_sum.numel() > 0
+        return (dy.new_empty(dy.shape) if activation != 0 else dy.new_empty(0)), _f32(dy, m), \
+            _f32(dy, m if with_c2 else 0)
+
+    @torch.library.register_fake("coda::gemm_norm_dgrad")
+    def _(dp, weight, x, mean, rstd, gamma, beta, c1, c2, residual_grad, want_normalized, want_dgamma):
+        n = weight.shape[1]
+        e = dp.new_empty
+        return e(x.shape), (e(x.shape) if want_normalized else e(0)), (e(n) if want_dgamma else e(0)), \
+            (e(n) if want_dgamma and beta is not None else e(0))

@@ -5,6 +5,7 @@ Baselines, timed in the same process on the same inputs:
   eager     the unfused PyTorch code
   cublaslt  torch._addmm_activation (cuBLASLt's bias+GELU epilogue), where it applies
   compile   torch.compile of the unfused code
+  liger     Liger-Kernel's RMSNorm + torch.matmul (the RMSNorm cases, where installed)
 
 Times are medians (p20, p80 alongside) from triton.testing.do_bench, which
 clears the L2 before every run. `--out DIR` writes DIR/<date>-<device>.json.
@@ -157,6 +158,140 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl)
 
 
+def _liger_rmsnorm():
+    """Liger-Kernel's RMSNorm as a function (x, weight, eps), or None where it is not installed."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception:  # not installed, or no triton
+        return None
+    return lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps)
+
+
+def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -> None:
+    """Issue 3's cases: norm -> QKV, o-proj + residual + stats, forward and forward + backward."""
+    torch.manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    # a residual stream: rows whose means drift up to 10 std
+    x = ((torch.rand(m, 1, device=device) * 2 - 1) * 10 + torch.randn(m, d, device=device)).to(dtype)
+    gamma, beta = (1 + 0.2 * torch.randn(d, device=device)).to(dtype), (0.2 * torch.randn(d, device=device)).to(dtype)
+    liger_rms = _liger_rmsnorm() if r.gpu else None
+
+    def eager_ln_qkv(x, g, b, w, bias):
+        return F.linear(F.layer_norm(x, (d,), g, b, 1e-5), w, bias)
+
+    def eager_rms_qkv(x, g, w):
+        return F.linear(F.rms_norm(x, (d,), g, 1e-6), w)
+
+    def liger_rms_qkv(x, g, w):
+        return F.linear(liger_rms(x, g, 1e-6), w)
+
+    def eager_residual(a, w, bias, res):
+        y = F.linear(a, w, bias) + res
+        var, mean = torch.var_mean(y.float(), -1, correction=0)
+        return y, mean, torch.rsqrt(var + 1e-5)
+
+    compiled = {f: torch.compile(f) for f in (eager_ln_qkv, eager_rms_qkv, eager_residual)}
+
+    for name, n, layernorm in (("layernorm_qkv_bias", 3 * d, True), ("rmsnorm_qkv", 3 * d // 2, False)):
+        w = rand(n, d, scale=d**-0.5)
+        bias = rand(n) if layernorm else None
+        fl = 2.0 * m * d * n
+        if layernorm:
+            fused = lambda x, g, b, w, bias: coda.ops.layernorm_linear(x, g, b, w, bias)  # noqa: E731
+            eager, args = eager_ln_qkv, [x, gamma, beta, w, bias]
+        else:
+            fused = lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w)  # noqa: E731
+            eager, args = eager_rms_qkv, [x, gamma, w]
+        case = f"{name}_fwd_{m}x{d}x{n}"
+        with torch.no_grad():
+            r.time(case, "coda", lambda: fused(*args), fl)
+            r.time(case, "cublas", lambda: torch.matmul(x, w.t()), fl)
+            r.time(case, "eager", lambda: eager(*args), fl)
+            r.time(case, "compile", lambda: compiled[eager](*args), fl)
+            if not layernorm and liger_rms is not None:
+                r.time(case, "liger", lambda: liger_rms_qkv(*args), fl)
+            # the fold alone (W̃ = W∘γ, s, t): once per weight update, inside every forward above
+            if r.gpu:
+                r.time(case + "_fold_only", "coda", lambda: torch.ops.coda.norm_fold_weight(w, gamma, beta if layernorm else None, bias, True), fl)
+        case = f"{name}_fwd_bwd_{m}x{d}x{n}"
+        params = [t.detach().clone().requires_grad_(True) if t is not None else None for t in args]
+        leaves = [t for t in params if t is not None]
+        dy = rand(m, n)
+
+        def grads(fn):
+            return lambda: torch.autograd.grad(fn(*params), leaves, dy)
+
+        def three_gemms():
+            torch.matmul(x, w.t())
+            torch.matmul(dy, w)
+            torch.matmul(dy.t(), x)
+
+        r.time(case, "coda", grads(fused), 3 * fl)
+        r.time(case, "cublas", three_gemms, 3 * fl)
+        r.time(case, "eager", grads(eager), 3 * fl)
+        r.time(case, "compile", grads(compiled[eager]), 3 * fl)
+        if not layernorm and liger_rms is not None:
+            r.time(case, "liger", grads(liger_rms_qkv), 3 * fl)
+
+    # o-proj + residual + the next LayerNorm's row statistics
+    a, w_o, b_o = rand(m, d), rand(d, d, scale=d**-0.5), rand(d)
+    fl = 2.0 * m * d * d
+    case = f"oproj_residual_stats_fwd_{m}x{d}x{d}"
+    with torch.no_grad():
+        r.time(case, "coda", lambda: coda.ops.linear_residual(a, w_o, b_o, x), fl)
+        r.time(case, "cublas", lambda: torch.matmul(a, w_o.t()), fl)
+        r.time(case, "eager", lambda: eager_residual(a, w_o, b_o, x), fl)
+        r.time(case, "compile", lambda: compiled[eager_residual](a, w_o, b_o, x), fl)
+    case = f"oproj_residual_stats_fwd_bwd_{m}x{d}x{d}"
+    params = [t.detach().clone().requires_grad_(True) for t in (a, w_o, b_o, x)]
+    dy = rand(m, d)
+    r.time(case, "coda", lambda: torch.autograd.grad(coda.ops.linear_residual(*params)[0], params, dy), 3 * fl)
+    r.time(case, "cublas", lambda: (torch.matmul(a, w_o.t()), torch.matmul(dy, w_o), torch.matmul(dy.t(), a)),
+           3 * fl)
+    r.time(case, "eager", lambda: torch.autograd.grad(eager_residual(*params)[0], params, dy), 3 * fl)
+    r.time(case, "compile", lambda: torch.autograd.grad(compiled[eager_residual](*params)[0], params, dy), 3 * fl)
+
+
+def run_norm_mlp_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str) -> None:
+    """The pre-norm MLP block x + MLP(LayerNorm(x)), forward + backward."""
+    torch.manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    x = ((torch.rand(m, 1, device=device) * 2 - 1) * 10 + torch.randn(m, d, device=device)).to(dtype)
+    args = [x, (1 + 0.2 * torch.randn(d, device=device)).to(dtype), (0.2 * torch.randn(d, device=device)).to(dtype),
+            rand(f, d, scale=d**-0.5), rand(f), rand(d, f, scale=f**-0.5), rand(d)]
+
+    def eager(x, g, b, w1, b1, w2, b2):
+        return reference.mlp_ref(F.layer_norm(x, (d,), g, b, 1e-5), w1, b1, w2, b2, "gelu_tanh", x)
+
+    def fused(x, g, b, w1, b1, w2, b2):
+        return coda.ops.norm_mlp(x, g, b, w1, b1, w2, b2, "LayerNorm", 1e-5, "gelu_tanh", residual=x)
+
+    compiled = torch.compile(eager)
+    params = [t.detach().clone().requires_grad_(True) for t in args]
+    dy = rand(m, d)
+    case, fl = f"layernorm_mlp_fwd_bwd_{m}x{d}x{f}", 12.0 * m * d * f
+    w1, w2 = args[3], args[5]
+
+    def six_gemms():
+        h = torch.matmul(x, w1.t())
+        torch.matmul(h, w2.t())
+        torch.matmul(dy.t(), h)
+        dh = torch.matmul(dy, w2)
+        torch.matmul(dh.t(), x)
+        torch.matmul(dh, w1)
+
+    r.time(case, "coda", lambda: torch.autograd.grad(fused(*params), params, dy), fl)
+    r.time(case, "cublas", six_gemms, fl)
+    r.time(case, "eager", lambda: torch.autograd.grad(eager(*params), params, dy), fl)
+    r.time(case, "compile", lambda: torch.autograd.grad(compiled(*params), params, dy), fl)
+
+
 def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(1, 2, 4, 8)) -> None:
     """Every kernel configuration, raster order and swizzle on the MLP's GEMMs."""
     torch.manual_seed(0)
@@ -219,6 +354,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
     p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
+    p.add_argument("--only", choices=["mlp", "norm"], help="run only the MLP cases or only the norm cases")
     p.add_argument("--swizzles", default="1,2,4,8", help="swizzle sizes the sweep tries")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
@@ -240,8 +376,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype = torch.float32
 
     r = Runner(gpu, args.warmup_ms, args.rep_ms)
+    device = "cuda" if gpu else "cpu"
     if not args.only_sweep:
-        run_cases(r, m, d, f, dtype, "cuda" if gpu else "cpu")
+        if args.only != "norm":
+            run_cases(r, m, d, f, dtype, device)
+        if args.only != "mlp":
+            run_norm_cases(r, m, d, dtype, device)
+            run_norm_mlp_case(r, m, d, f, dtype, device)
     if gpu and (args.sweep or args.only_sweep):
         run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")))
     summarize(r.results)

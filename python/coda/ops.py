@@ -10,15 +10,15 @@ in coda.reference, which gives the same answer.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _activations, _kernels, reference
+from . import _activations, _fold_cache, _kernels, reference
 
-__all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "linear_residual", "row_stats"]
+__all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "linear_residual", "row_stats"]
 
 
 # ---- argument checks: errors name the argument and what was expected
@@ -254,12 +254,18 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     return y.reshape(out_shape)
 
 
-# ---- norms in front of GEMMs
+# ---- norms folded into GEMMs
 #
-# The API of the norm-GEMM ops. The norm still runs as its own pass here
-# (F.layer_norm / F.rms_norm); the GEMM after it is coda's fused one. Folding
-# the norm into the GEMM's epilogue (rstd ⊙ (x·(W∘γ)ᵀ − μ·s) + t, see
-# tests/test_norm_fold_numerics.py for why γ goes on W) is the next step.
+#   Norm(x)·Wᵀ + b = rstd ⊙ (x·W̃ᵀ − mean ⊙ s) + t,  W̃ = W∘γ, s = Σ_k W̃, t = W·β + b
+#
+# The GEMM reads x itself; its epilogue applies the per-row (mean, rstd) and
+# the per-column (s, t) (cutlass_epilogues/norm_linear_act.hpp). γ goes on the
+# weight, not on x: tests/test_norm_fold_numerics.py shows why. The backward's
+# row dots c₁, c₂ come from the epilogue that produces dP (fc2's dgrad in the
+# MLP) or one pass over dP (a lone norm-linear), and the norm's input gradient,
+# dγ, dβ and the normalized input for dW come from the dgrad GEMM's epilogue
+# (norm_dgrad.hpp). bf16 kernels; other dtypes and CPU tensors run the
+# unfused reference path.
 
 NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 
@@ -285,96 +291,407 @@ def _check_stats(stats: Optional[Tensor], x: Tensor, op: str) -> None:
     if stats is None:
         return
     want = (*x.shape[:-1], 2)
-    if tuple(stats.shape) != want or stats.dtype != torch.float32:
-        raise ValueError(f"coda.{op}: stats must be a float32 tensor of shape {want} (mean, rstd per row), "
-                         f"got {stats.dtype} {tuple(stats.shape)}")
+    if not isinstance(stats, Tensor) or tuple(stats.shape) != want or stats.dtype != torch.float32:
+        got = f"{stats.dtype} {tuple(stats.shape)}" if isinstance(stats, Tensor) else type(stats).__name__
+        raise ValueError(f"coda.{op}: stats must be a float32 tensor of shape {want} (mean, rstd per row), got {got}")
     if stats.device != x.device:
         raise ValueError(f"coda.{op}: stats is on {stats.device}, expected {x.device} (the device of x)")
 
 
-def _normalize(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, kind: str,
-               stats: Optional[Tensor]) -> Tensor:
-    d = x.shape[-1]
+def _split_stats(stats: Optional[Tensor], layernorm: bool):
+    """(..., 2) stats -> contiguous per-row (mean or None, rstd) over the flattened rows."""
     if stats is None:
-        if kind == "layernorm":
-            return F.layer_norm(x, (d,), weight, bias, eps)
-        return F.rms_norm(x, (d,), weight, eps)
-    # Precomputed (mean, rstd), e.g. from linear_residual: the same math in fp32.
-    # Gradients flow to x through x itself; stats are functions of x and are
-    # treated as such by the backward (they are recomputed, not differentiated).
-    xf = x.float()
-    mean, rstd = stats[..., :1], stats[..., 1:]
-    if kind == "layernorm":
-        with torch.no_grad():
-            mean_x = xf.mean(-1, keepdim=True)
-            rstd_x = torch.rsqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
-        # value from the given stats, gradient of a true LayerNorm
-        y = F.layer_norm(xf, (d,), None, None, eps)
-        y = y + ((xf - mean) * rstd - (xf - mean_x) * rstd_x).detach()
-    else:
-        with torch.no_grad():
-            rstd_x = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        y = F.rms_norm(xf, (d,), None, eps)
-        y = y + (xf * rstd - xf * rstd_x).detach()
-    y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+        return None, None
+    stats = stats.detach().reshape(-1, 2)
+    return (stats[:, 0].contiguous() if layernorm else None), stats[:, 1].contiguous()
 
 
-def row_stats(y: Tensor, normalization: str = "LayerNorm", eps: float = 1e-5) -> Tensor:
-    """(..., F) -> float32 (..., 2): per row (mean, rstd) for LayerNorm, (0, rstd) for RMSNorm."""
-    kind = _norm_kind(normalization, "row_stats")
-    yf = y.detach().float()
-    if kind == "layernorm":
-        mean = yf.mean(-1, keepdim=True)
-        rstd = torch.rsqrt(yf.var(-1, unbiased=False, keepdim=True) + eps)
+def _empty_f32(like: Tensor, n: int = 0) -> Tensor:
+    return like.new_empty(n, dtype=torch.float32)
+
+
+def _stats_for(x: Tensor, mean: Optional[Tensor], rstd: Optional[Tensor], layernorm: bool, eps: float, fused: bool):
+    """The row stats the fold uses: given ones, else one pass over x."""
+    if rstd is not None:  # copies: a custom op's outputs may not alias its inputs
+        return (mean.clone() if layernorm else _empty_f32(x)), rstd.clone()
+    if fused:
+        return torch.ops.coda.norm_row_stats(x, layernorm, eps)
+    m, r = reference.row_stats(x, layernorm, eps)
+    return (m if layernorm else _empty_f32(x)), r
+
+
+def _fold(w: Tensor, gamma: Tensor, beta: Optional[Tensor], bias: Optional[Tensor], layernorm: bool, fused: bool,
+          cached: Optional[List[Tensor]] = None):
+    """(W̃, s or empty for RMSNorm, t); `cached` is a (W̃, s, t) kept by _fold_cache."""
+    if cached and fused:
+        folded, s, t = cached[0], cached[1].clone(), cached[2].clone()  # outputs may not alias inputs
+    elif fused:
+        folded, s, t = torch.ops.coda.norm_fold_weight(w.contiguous(), gamma.contiguous(), _contig(beta),
+                                                       _contig(bias), True)
     else:
-        mean = torch.zeros_like(yf[..., :1])
-        rstd = torch.rsqrt(yf.square().mean(-1, keepdim=True) + eps)
-    return torch.cat([mean, rstd], -1)
+        folded, s, t = reference.fold_norm_weight(w, gamma, beta, bias)
+    return folded, (s if layernorm else _empty_f32(w)), t
+
+
+# -- norm_linear: act(Norm(x)·Wᵀ + b)
+
+@torch.library.custom_op("coda::norm_linear", mutates_args=())
+def _norm_linear(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
+                 mean: Optional[Tensor], rstd: Optional[Tensor], folded: List[Tensor], layernorm: bool,
+                 eps: float, activation: int, save_pre_act: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                           Tensor]:
+    # x (M, K), norm_weight/norm_bias (K), weight (N, K), bias (N), mean/rstd (M) fp32 or None
+    # folded: [W̃, s, t] from _fold_cache, or [] to fold here
+    #   -> y (M, N), pre_act (M, N) or (0,), mean (M) or (0,), rstd (M), col_sum s (N) or (0,), shift t (N)
+    save = save_pre_act and activation != _activations.IDENTITY
+    fused = x.shape[0] > 0 and _kernels.norm_usable([x, norm_weight, norm_bias, weight, bias],
+                                                    [x.shape[1], weight.shape[0]])
+    if fused:
+        x = _kernels.rows(x)
+    given = (mean, rstd)
+    mean, rstd = _stats_for(x, mean, rstd, layernorm, eps, fused)
+    folded, s, t = _fold(weight, norm_weight, norm_bias, bias, layernorm, fused, folded)
+    if fused:
+        y, h = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None, rstd,
+                                               s if layernorm else None, t, activation, save)
+        return y, h, mean, rstd, s, t
+    # the reference normalizes in x's precision unless stats were given
+    h = reference.normalize(x, norm_weight, norm_bias, eps, layernorm, *given)
+    y, h = reference.linear_forward(h, weight, bias, activation, save)
+    return y, h, mean, rstd, s, t
+
+
+@_norm_linear.register_fake
+def _(x, norm_weight, norm_bias, weight, bias, mean, rstd, folded, layernorm, eps, activation, save_pre_act):
+    save = save_pre_act and activation != _activations.IDENTITY
+    m, n = x.shape[0], weight.shape[0]
+    return (x.new_empty(m, n), x.new_empty(m, n) if save else x.new_empty(0), _empty_f32(x, m if layernorm else 0),
+            _empty_f32(x, m), _empty_f32(x, n if layernorm else 0), _empty_f32(x, n))
+
+
+@torch.library.custom_op("coda::norm_linear_backward", mutates_args=())
+def _norm_linear_backward(dy: Tensor, x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], weight: Tensor,
+                          has_bias: bool, pre_act: Tensor, mean: Tensor, rstd: Tensor, col_sum: Tensor, shift: Tensor,
+                          layernorm: bool, eps: float, activation: int,
+                          needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # pre_act: H, or the output y when the activation is identity
+    # -> dx (M, K), dnorm_weight (K), dnorm_bias (K), dweight (N, K), dbias (N); (0,) when not needed
+    need_dx, need_dnw, need_dnb, need_dw, need_db = needs
+    fused = x.shape[0] > 0 and _kernels.norm_usable([x, norm_weight, norm_bias, weight, dy, pre_act],
+                                                    [x.shape[1], weight.shape[0]])
+    if not fused:
+        return reference.norm_linear_backward(dy, x, norm_weight, norm_bias, weight, has_bias, pre_act, layernorm,
+                                              eps, activation, needs)
+    dy, x = _kernels.rows(dy), _kernels.rows(x)
+    d = x.shape[1]
+    # One pass over the rows: dP = dy ⊙ act'(H) and c₁, c₂ (no GEMM of a lone
+    # norm-linear has dP as its output, so no epilogue can take them).
+    dp, c1, c2 = torch.ops.coda.norm_row_dots(dy, pre_act, activation, shift, col_sum if layernorm else None, 1.0 / d)
+    if activation == _activations.IDENTITY:
+        dp = dy
+    dx, nhat, dnw, dnb = torch.ops.coda.gemm_norm_dgrad(
+        dp, weight.contiguous(), x, mean if layernorm else None, rstd, norm_weight.contiguous(), _contig(norm_bias),
+        c1, c2 if layernorm else None, None, need_dw, need_dnw or need_dnb)
+    dw = torch.ops.coda.gemm_wgrad(dp, nhat) if need_dw else _empty(dy)
+    db = reference.bias_grad(dp) if has_bias and need_db else _empty(dy)
+    return dx, dnw, dnb, dw, db
+
+
+@_norm_linear_backward.register_fake
+def _(dy, x, norm_weight, norm_bias, weight, has_bias, pre_act, mean, rstd, col_sum, shift, layernorm, eps,
+      activation, needs):
+    e = x.new_empty
+    need_dx, need_dnw, need_dnb, need_dw, need_db = needs
+    return (e(x.shape) if need_dx else e(0), e(norm_weight.shape) if need_dnw else e(0),
+            e(norm_weight.shape) if need_dnb and norm_bias is not None else e(0),
+            e(weight.shape) if need_dw else e(0), e(weight.shape[0]) if need_db and has_bias else e(0))
+
+
+def _norm_linear_setup(ctx, inputs, output):
+    x, norm_weight, norm_bias, weight, bias, _, _, folded, layernorm, eps, activation, _ = inputs
+    y, h, mean, rstd, s, t = output
+    ctx.n_folded = len(folded)
+    pre = y if activation == _activations.IDENTITY else h
+    ctx.save_for_backward(x, norm_weight, norm_bias, weight, pre, mean, rstd, s, t)
+    ctx.has_bias, ctx.layernorm, ctx.eps, ctx.activation = bias is not None, layernorm, eps, activation
+
+
+def _norm_linear_grad(ctx, dy, *_):
+    x, norm_weight, norm_bias, weight, pre, mean, rstd, s, t = ctx.saved_tensors
+    if pre.numel() != x.shape[0] * weight.shape[0]:
+        raise RuntimeError("coda.norm_linear: backward needs the pre-activation, which was not saved "
+                           "(no input required grad when the forward ran)")
+    need = ctx.needs_input_grad
+    needs = [need[0], need[1], need[2] and norm_bias is not None, need[3], need[4] and ctx.has_bias]
+    dx, dnw, dnb, dw, db = _norm_linear_backward(dy, x, norm_weight, norm_bias, weight, ctx.has_bias, pre, mean, rstd,
+                                                 s, t, ctx.layernorm, ctx.eps, ctx.activation, needs)
+    return (dx if needs[0] else None, dnw if needs[1] else None, dnb if needs[2] else None,
+            dw if needs[3] else None, db if needs[4] else None, None, None, [None] * ctx.n_folded, None, None, None,
+            None)
+
+
+_norm_linear.register_autograd(_norm_linear_grad, setup_context=_norm_linear_setup)
+
+
+def _norm_linear_call(x, norm_weight, norm_bias, weight, bias, eps, activation, stats, layernorm, op):
+    _check_x(x, op)
+    d = x.shape[-1]
+    _check_norm_params("norm_weight" if not layernorm else "ln_weight", norm_weight, d, x, op, True)
+    _check_norm_params("ln_bias", norm_bias, d, x, op, False)
+    _check_weight("weight", weight, d, x, op)
+    _check_bias("bias", bias, weight.shape[0], x, op)
+    _check_stats(stats, x, op)
+    mean, rstd = _split_stats(stats, layernorm)
+    act = _activations.code(activation)
+    cached = None if x.device.type != "cuda" else _fold_cache.lookup(weight, norm_weight, norm_bias, bias)
+    y = _norm_linear(_rows(x), norm_weight, norm_bias, weight, bias, mean, rstd,
+                     [] if cached is None else list(cached), layernorm, float(eps), act,
+                     _needs_grad(x, norm_weight, norm_bias, weight, bias))[0]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], weight: Tensor,
                      bias: Optional[Tensor] = None, eps: float = 1e-5, activation: Optional[str] = None,
                      stats: Optional[Tensor] = None) -> Tensor:
-    """act(LayerNorm(x)·weightᵀ + bias).
+    """act(LayerNorm(x)·weightᵀ + bias) in one GEMM: the norm is folded into it.
 
     x: (..., D); ln_weight, ln_bias: (D,); weight: (N, D); bias: (N,) or None;
-    stats: optional float32 (..., 2) per-row (mean, rstd) from linear_residual.
+    stats: optional float32 (..., 2) per-row (mean, rstd) of x, e.g. from
+    linear_residual; without it one light pass over x computes them.
     """
-    _check_x(x, "layernorm_linear")
-    _check_norm_params("ln_weight", ln_weight, x.shape[-1], x, "layernorm_linear", True)
-    _check_norm_params("ln_bias", ln_bias, x.shape[-1], x, "layernorm_linear", False)
-    _check_stats(stats, x, "layernorm_linear")
-    return linear(_normalize(x, ln_weight, ln_bias, eps, "layernorm", stats), weight, bias, activation)
+    return _norm_linear_call(x, ln_weight, ln_bias, weight, bias, eps, activation, stats, True, "layernorm_linear")
 
 
 def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                    eps: float = 1e-6, activation: Optional[str] = None, stats: Optional[Tensor] = None) -> Tensor:
-    """act(RMSNorm(x)·weightᵀ + bias). stats: optional float32 (..., 2), (0, rstd) per row."""
-    _check_x(x, "rmsnorm_linear")
-    _check_norm_params("norm_weight", norm_weight, x.shape[-1], x, "rmsnorm_linear", True)
-    _check_stats(stats, x, "rmsnorm_linear")
-    return linear(_normalize(x, norm_weight, None, eps, "rmsnorm", stats), weight, bias, activation)
+    """act(RMSNorm(x)·weightᵀ + bias) in one GEMM. stats: optional float32 (..., 2), (0, rstd) per row."""
+    return _norm_linear_call(x, norm_weight, None, weight, bias, eps, activation, stats, False, "rmsnorm_linear")
+
+
+# -- norm_mlp: fc2(act(fc1(Norm(x)))) + residual
+
+@torch.library.custom_op("coda::norm_mlp", mutates_args=())
+def _norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
+              w2: Tensor, b2: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
+              folded: List[Tensor], residual: Optional[Tensor], add_input: bool, layernorm: bool, eps: float, activation: int,
+              save_for_backward: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # x (M, D), w1 (F, D), w2 (D', F); add_input: x itself is the residual (x + MLP(Norm(x)))
+    #   -> y (M, D'), h1 (M, F) or (0,), a1 (M, F) or (0,), mean, rstd, s, t as in norm_linear
+    save_h = save_for_backward and activation != _activations.IDENTITY
+    fused = x.shape[0] > 0 and _kernels.norm_usable([x, norm_weight, norm_bias, w1, b1, w2, b2, residual],
+                                                    [x.shape[1], w1.shape[0], w2.shape[0]])
+    if fused:
+        x = _kernels.rows(x)
+    given = (mean, rstd)
+    mean, rstd = _stats_for(x, mean, rstd, layernorm, eps, fused)
+    folded, s, t = _fold(w1, norm_weight, norm_bias, b1, layernorm, fused, folded)
+    res = x if add_input else residual
+    if fused:
+        a1, h1 = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None, rstd,
+                                                 s if layernorm else None, t, activation, save_h)
+        y, _ = torch.ops.coda.gemm_linear(a1, w2.contiguous(), _contig(b2),
+                                          None if res is None else _kernels.rows(res), 0, False)
+    else:
+        n = reference.normalize(x, norm_weight, norm_bias, eps, layernorm, *given)
+        y, h1, a1 = reference.mlp_forward(n, w1, b1, w2, b2, res, activation, save_for_backward)
+        if not save_h:
+            h1 = x.new_empty(0)
+    return y, h1, (a1 if save_for_backward else _empty(x)), mean, rstd, s, t
+
+
+@_norm_mlp.register_fake
+def _(x, norm_weight, norm_bias, w1, b1, w2, b2, mean, rstd, folded, residual, add_input, layernorm, eps, activation,
+      save_for_backward):
+    m, f = x.shape[0], w1.shape[0]
+    save_h = save_for_backward and activation != _activations.IDENTITY
+    return (x.new_empty(m, w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
+            x.new_empty(m, f) if save_for_backward else x.new_empty(0), _empty_f32(x, m if layernorm else 0),
+            _empty_f32(x, m), _empty_f32(x, f if layernorm else 0), _empty_f32(x, f))
+
+
+@torch.library.custom_op("coda::norm_mlp_backward", mutates_args=())
+def _norm_mlp_backward(dy: Tensor, x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Tensor,
+                       w2: Tensor, h1: Tensor, a1: Tensor, mean: Tensor, rstd: Tensor, col_sum: Tensor,
+                       shift: Tensor, has_b1: bool, has_b2: bool, add_input: bool, layernorm: bool, eps: float,
+                       activation: int, needs: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                    Tensor]:
+    # h1: the pre-activation, or a1 when the activation is identity
+    # -> dx, dnorm_weight, dnorm_bias, dw1, db1, dw2, db2; (0,) when not needed
+    need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = needs
+    fused = x.shape[0] > 0 and _kernels.norm_usable([x, norm_weight, norm_bias, w1, w2, dy, h1, a1],
+                                                    [x.shape[1], w1.shape[0], w2.shape[0]])
+    if not fused:
+        return reference.norm_mlp_backward(dy, x, norm_weight, norm_bias, w1, w2, h1, a1, has_b1, has_b2, add_input,
+                                           layernorm, eps, activation, needs)
+    dy, x = _kernels.rows(dy), _kernels.rows(x)
+    dw2 = torch.ops.coda.gemm_wgrad(dy, a1) if need_dw2 else _empty(dy)
+    db2 = reference.bias_grad(dy) if has_b2 and need_db2 else _empty(dy)
+    # fc2's dgrad epilogue: act', db1 and the norm's row dots c₁, c₂ in one pass.
+    dh1, db1, c1, c2 = torch.ops.coda.gemm_dgrad_rowdot(dy, w2.contiguous(), h1, activation, has_b1 and need_db1,
+                                                        shift, col_sum if layernorm else None, 1.0 / x.shape[1])
+    # fc1's dgrad epilogue: the norm's backward, dγ, dβ, N̂ for dw1, and the
+    # residual's gradient when x is its own residual.
+    dx, nhat, dnw, dnb = torch.ops.coda.gemm_norm_dgrad(
+        dh1, w1.contiguous(), x, mean if layernorm else None, rstd, norm_weight.contiguous(), _contig(norm_bias),
+        c1, c2 if layernorm else None, dy if add_input else None, need_dw1, need_dnw or need_dnb)
+    dw1 = torch.ops.coda.gemm_wgrad(dh1, nhat) if need_dw1 else _empty(dy)
+    return dx, dnw, dnb, dw1, db1, dw2, db2
+
+
+@_norm_mlp_backward.register_fake
+def _(dy, x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, col_sum, shift, has_b1, has_b2, add_input,
+      layernorm, eps, activation, needs):
+    e = x.new_empty
+    need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = needs
+    return (e(x.shape) if need_dx else e(0), e(norm_weight.shape) if need_dnw else e(0),
+            e(norm_weight.shape) if need_dnb and norm_bias is not None else e(0),
+            e(w1.shape) if need_dw1 else e(0), e(w1.shape[0]) if need_db1 and has_b1 else e(0),
+            e(w2.shape) if need_dw2 else e(0), e(w2.shape[0]) if need_db2 and has_b2 else e(0))
+
+
+def _norm_mlp_setup(ctx, inputs, output):
+    x, norm_weight, norm_bias, w1, b1, w2, b2, _, _, folded, residual, add_input, layernorm, eps, activation, _ = inputs
+    ctx.n_folded = len(folded)
+    _, h1, a1, mean, rstd, s, t = output
+    ctx.save_for_backward(x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, s, t)
+    ctx.has_b1, ctx.has_b2, ctx.has_residual = b1 is not None, b2 is not None, residual is not None
+    ctx.add_input, ctx.layernorm, ctx.eps, ctx.activation = add_input, layernorm, eps, activation
+
+
+def _norm_mlp_grad(ctx, dy, *_):
+    x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, s, t = ctx.saved_tensors
+    if a1.numel() != x.shape[0] * w1.shape[0]:
+        raise RuntimeError("coda.norm_mlp: backward needs the saved activations, which were not kept "
+                           "(no input required grad when the forward ran)")
+    if ctx.activation == _activations.IDENTITY:
+        h1 = a1
+    n = ctx.needs_input_grad
+    needs = [n[0], n[1], n[2] and norm_bias is not None, n[3], n[4] and ctx.has_b1, n[5], n[6] and ctx.has_b2]
+    dx, dnw, dnb, dw1, db1, dw2, db2 = _norm_mlp_backward(
+        dy, x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, s, t, ctx.has_b1, ctx.has_b2, ctx.add_input,
+        ctx.layernorm, ctx.eps, ctx.activation, needs)
+    grads = [g if need else None for g, need in zip((dx, dnw, dnb, dw1, db1, dw2, db2), needs)]
+    return (*grads, None, None, [None] * ctx.n_folded, dy if ctx.has_residual and n[10] else None, None, None, None,
+            None, None)
+
+
+_norm_mlp.register_autograd(_norm_mlp_grad, setup_context=_norm_mlp_setup)
+
+
+def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
+             w2: Tensor, b2: Optional[Tensor], normalization: str = "LayerNorm", eps: float = 1e-5,
+             activation: Optional[str] = "gelu_tanh", residual: Optional[Tensor] = None,
+             stats: Optional[Tensor] = None) -> Tensor:
+    """fc2(act(fc1(Norm(x)))) + residual: the norm folded into fc1, everything else in epilogues.
+
+    x: (..., D); norm_weight, norm_bias: (D,) (norm_bias None for RMSNorm);
+    w1: (F, D); b1: (F,) or None; w2: (D', F); b2: (D',) or None; residual:
+    (..., D') or None — passing x itself (the pre-norm block x + MLP(Norm(x)))
+    also folds the residual's gradient into fc1's dgrad epilogue; stats:
+    optional float32 (..., 2) per-row (mean, rstd) of x.
+    """
+    op = "norm_mlp"
+    layernorm = _norm_kind(normalization, op) == "layernorm"
+    _check_x(x, op)
+    d = x.shape[-1]
+    _check_norm_params("norm_weight", norm_weight, d, x, op, True)
+    if norm_bias is not None and not layernorm:
+        raise ValueError("coda.norm_mlp: norm_bias must be None for RMSNorm")
+    _check_norm_params("norm_bias", norm_bias, d, x, op, False)
+    _check_weight("w1", w1, d, x, op)
+    _check_bias("b1", b1, w1.shape[0], x, op)
+    _check_weight("w2", w2, w1.shape[0], x, op)
+    _check_bias("b2", b2, w2.shape[0], x, op)
+    _check_stats(stats, x, op)
+    out_shape = (*x.shape[:-1], w2.shape[0])
+    add_input = residual is x and w2.shape[0] == d
+    if residual is not None:
+        if tuple(residual.shape) != out_shape:
+            raise ValueError(f"coda.norm_mlp: residual must have shape {out_shape}, got {tuple(residual.shape)}")
+        _check_same("residual", residual, x, op)
+    mean, rstd = _split_stats(stats, layernorm)
+    act = _activations.code(activation)
+    res = None if residual is None or add_input else _rows(residual)
+    cached = None if x.device.type != "cuda" else _fold_cache.lookup(w1, norm_weight, norm_bias, b1)
+    y = _norm_mlp(_rows(x), norm_weight, norm_bias, w1, b1, w2, b2, mean, rstd,
+                  [] if cached is None else list(cached), res, add_input, layernorm, float(eps), act,
+                  _needs_grad(x, norm_weight, norm_bias, w1, b1, w2, b2, res))[0]
+    return y.reshape(out_shape)
+
+
+# -- residual-reduce: Y = x·Wᵀ + b + R and the next norm's row statistics
+
+@torch.library.custom_op("coda::linear_residual", mutates_args=())
+def _linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor, layernorm: bool,
+                     eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    # x (M, K), weight (N, K), bias (N), residual (M, N) -> y (M, N), mean (M) or (0,), rstd (M), fp32
+    if x.shape[0] and _kernels.norm_usable([x, weight, bias, residual], [x.shape[1], weight.shape[0]]):
+        return torch.ops.coda.gemm_linear_residual(_kernels.rows(x), weight.contiguous(), _contig(bias),
+                                                   _kernels.rows(residual), layernorm, eps)
+    y = F.linear(x, weight, bias) + residual
+    mean, rstd = reference.row_stats(y, layernorm, eps)
+    return y, (mean if layernorm else _empty_f32(x)), rstd
+
+
+@_linear_residual.register_fake
+def _(x, weight, bias, residual, layernorm, eps):
+    m = x.shape[0]
+    return x.new_empty(m, weight.shape[0]), _empty_f32(x, m if layernorm else 0), _empty_f32(x, m)
+
+
+def _linear_residual_setup(ctx, inputs, output):
+    x, weight, bias, _, _, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _linear_residual_grad(ctx, dy, _dmean, _drstd):
+    x, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dw, db = _linear_backward(dy, x, weight, _empty(x), _activations.IDENTITY, ctx.has_bias and need[2],
+                                  need[0], need[1])
+    return (dx if need[0] else None, dw if need[1] else None, db if ctx.has_bias and need[2] else None,
+            dy if need[3] else None, None, None)
+
+
+_linear_residual.register_autograd(_linear_residual_grad, setup_context=_linear_residual_setup)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor,
                     normalization: str = "LayerNorm", eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
-    """Y = x·weightᵀ + bias + residual, and the row statistics the next norm needs.
+    """Y = x·weightᵀ + bias + residual, and the row statistics the next norm needs, in one GEMM.
 
     Returns (Y (..., N), stats float32 (..., 2)): per row (mean, rstd) for
-    LayerNorm, (0, rstd) for RMSNorm, for layernorm_linear / rmsnorm_linear.
-    The statistics carry no gradient: those ops' backward recomputes them.
+    LayerNorm, (0, rstd) for RMSNorm, reduced in the GEMM's epilogue, for
+    layernorm_linear / rmsnorm_linear / norm_mlp. The statistics carry no
+    gradient: those ops' backward treats them as functions of Y.
     """
-    _check_x(x, "linear_residual")
-    _check_weight("weight", weight, x.shape[-1], x, "linear_residual")
-    _check_bias("bias", bias, weight.shape[0], x, "linear_residual")
+    op = "linear_residual"
+    _check_x(x, op)
+    _check_weight("weight", weight, x.shape[-1], x, op)
+    _check_bias("bias", bias, weight.shape[0], x, op)
     out_shape = (*x.shape[:-1], weight.shape[0])
     if not isinstance(residual, Tensor) or tuple(residual.shape) != out_shape:
         got = tuple(residual.shape) if isinstance(residual, Tensor) else type(residual).__name__
         raise ValueError(f"coda.linear_residual: residual must have shape {out_shape}, got {got}")
-    _check_same("residual", residual, x, "linear_residual")
-    kind = _norm_kind(normalization, "linear_residual")
-    y = linear(x, weight, bias) + residual
-    return y, row_stats(y, NORMALIZATIONS[kind], eps)
+    _check_same("residual", residual, x, op)
+    layernorm = _norm_kind(normalization, op) == "layernorm"
+    y, mean, rstd = _linear_residual(_rows(x), weight, bias, _rows(residual), layernorm, float(eps))
+    if not layernorm:
+        mean = torch.zeros_like(rstd)
+    return y.reshape(out_shape), torch.stack([mean, rstd], -1).reshape(*out_shape[:-1], 2)
+
+
+def row_stats(y: Tensor, normalization: str = "LayerNorm", eps: float = 1e-5) -> Tensor:
+    """(..., F) -> float32 (..., 2): per row (mean, rstd) for LayerNorm, (0, rstd) for RMSNorm."""
+    layernorm = _norm_kind(normalization, "row_stats") == "layernorm"
+    y = y.detach()
+    rows = _rows(y)
+    if rows.shape[0] and _kernels.norm_usable([rows], [rows.shape[1]]):
+        mean, rstd = torch.ops.coda.norm_row_stats(_kernels.rows(rows), layernorm, float(eps))
+    else:
+        mean, rstd = reference.row_stats(rows, layernorm, eps)
+    if not layernorm:
+        mean = torch.zeros_like(rstd)
+    return torch.stack([mean, rstd], -1).reshape(*y.shape[:-1], 2)

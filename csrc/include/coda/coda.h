@@ -67,6 +67,13 @@ struct DgradArgs {
   void* dx = nullptr;                // (m, n) out
   int64_t lddx = 0;
   void* dbias = nullptr;             // (n) out, or null
+  // The row dots of the norm in front of the layer dX belongs to (bf16 only):
+  // c₁ = norm_scale·Σ_n dX ⊙ (pre_act − norm_shift), c₂ = norm_scale·Σ_n dX ⊙ norm_col_sum.
+  const float* norm_shift = nullptr; // (n) t of fold_norm_weight
+  const float* norm_col_sum = nullptr;  // (n) s, or null (RMSNorm)
+  float norm_scale = 1.f;            // 1 / the norm's size
+  float* norm_c1 = nullptr;          // (m) out, or null (no row dots)
+  float* norm_c2 = nullptr;          // (m) out, or null
 };
 
 // dW = dYᵀ·X, the weight gradient of a Linear: dY (tokens, n), X (tokens, k).
@@ -80,6 +87,119 @@ struct WgradArgs {
   int64_t lddw = 0;
 };
 
+// ---- norms folded into GEMMs (bf16 only; other dtypes return kNotSupported)
+//
+// Norm(X)·Wᵀ + b = rstd ⊙ (X·W̃ᵀ − mean ⊙ s) + t, with W̃ = W∘γ, s = Σ_k W̃ and
+// t = W·β + b: the GEMM reads X itself and the epilogue applies the norm.
+// Row statistics are fp32 (mean, rstd); RMSNorm passes null for mean, s, β.
+
+// W̃ = round(W ∘ γ), s[n] = Σ_k W̃[n,k], t[n] = Σ_k W[n,k]·β[k] + b[n]: the
+// folded weight of a norm-GEMM, once per weight update.
+struct FoldNormWeightArgs {
+  int64_t n = 0, k = 0;              // out features, in features (= the norm's size)
+  const void* weight = nullptr;      // (n, k) nn.Linear layout
+  int64_t ldw = 0;
+  const void* gamma = nullptr;       // (k)
+  const void* beta = nullptr;        // (k) or null (RMSNorm)
+  const void* bias = nullptr;        // (n) or null
+  void* folded = nullptr;            // (n, k) out W̃, or null (s and t only)
+  int64_t ld_folded = 0;
+  float* col_sum = nullptr;          // (n) out s, or null
+  float* shift = nullptr;            // (n) out t
+};
+
+// Per-row statistics of X in one pass over it (where no GEMM epilogue made them).
+struct RowStatsArgs {
+  int64_t m = 0, n = 0;              // rows, row length
+  const void* x = nullptr;           // (m, n)
+  int64_t ldx = 0;
+  float eps = 1e-5f;
+  float* mean = nullptr;             // (m) out, or null for RMSNorm (rstd of the raw rows)
+  float* rstd = nullptr;             // (m) out
+};
+
+// Y = act(H), H = rstd ⊙ (X·W̃ᵀ − mean ⊙ s) + t: the forward of a norm-GEMM.
+struct NormLinearArgs {
+  int64_t m = 0, n = 0, k = 0;       // tokens, out features, in features
+  const void* x = nullptr;           // (m, k) the norm's input, not normalized
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n, k) W̃ from fold_norm_weight
+  int64_t ldw = 0;
+  const float* mean = nullptr;       // (m) or null (RMSNorm)
+  const float* rstd = nullptr;       // (m)
+  const float* col_sum = nullptr;    // (n) s, or null (RMSNorm)
+  const float* shift = nullptr;      // (n) t, or null
+  Activation activation = Activation::kIdentity;
+  void* y = nullptr;                 // (m, n) out
+  int64_t ldy = 0;
+  void* pre_act = nullptr;           // (m, n) out H, or null
+  int64_t ld_pre_act = 0;
+};
+
+// Y = X·Wᵀ + b + R and the row statistics of Y for the next norm, in one GEMM
+// (residual-reduce).
+struct LinearResidualArgs {
+  int64_t m = 0, n = 0, k = 0;
+  const void* x = nullptr;           // (m, k)
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n, k)
+  int64_t ldw = 0;
+  const void* bias = nullptr;        // (n) or null
+  const void* residual = nullptr;    // (m, n) or null
+  int64_t ld_residual = 0;
+  void* y = nullptr;                 // (m, n) out
+  int64_t ldy = 0;
+  float eps = 1e-5f;
+  float* mean = nullptr;             // (m) out, or null for RMSNorm statistics
+  float* rstd = nullptr;             // (m) out
+};
+
+// The backward of a lone norm-GEMM's epilogue, one pass over its rows:
+// dP = dY ⊙ act'(H), c₁ = scale·Σ_n dP ⊙ (H − t), c₂ = scale·Σ_n dP ⊙ s.
+// (Inside coda's MLP the fc2 dgrad epilogue does this; see DgradArgs.)
+struct NormRowDotsArgs {
+  int64_t m = 0, n = 0;              // tokens, out features of the norm-GEMM
+  const void* dy = nullptr;          // (m, n)
+  int64_t lddy = 0;
+  const void* pre_act = nullptr;     // (m, n) H; with identity, the output Y
+  int64_t ld_pre_act = 0;
+  Activation activation = Activation::kIdentity;
+  const float* shift = nullptr;      // (n) t, or null
+  const float* col_sum = nullptr;    // (n) s, or null (RMSNorm)
+  float scale = 1.f;                 // 1 / the norm's size
+  void* dp = nullptr;                // (m, n) out dP; unused with identity (dP is dY)
+  int64_t lddp = 0;
+  float* c1 = nullptr;               // (m) out
+  float* c2 = nullptr;               // (m) out, or null
+};
+
+// dX = rstd ⊙ (γ ⊙ (dP·W) − x̂ ⊙ c₁ − c₂) + dR, x̂ = (X − mean) ⊙ rstd, with
+// dγ = Σ_m (dP·W) ⊙ x̂, dβ = Σ_m dP·W and N̂ = x̂ ⊙ γ + β (for dW = dPᵀ·N̂), in
+// the epilogue of the dgrad GEMM: the backward of a norm-GEMM's input.
+struct NormDgradArgs {
+  int64_t m = 0, n = 0, k = 0;       // tokens, in features (the norm's size), out features
+  const void* dy = nullptr;          // (m, k) dP
+  int64_t lddy = 0;
+  const void* weight = nullptr;      // (k, n) W, unfolded
+  int64_t ldw = 0;
+  const void* x = nullptr;           // (m, n) the norm's input
+  int64_t ldx = 0;
+  const float* mean = nullptr;       // (m) or null (RMSNorm)
+  const float* rstd = nullptr;       // (m)
+  const void* gamma = nullptr;       // (n)
+  const void* beta = nullptr;        // (n) or null
+  const float* c1 = nullptr;         // (m)
+  const float* c2 = nullptr;         // (m) or null (RMSNorm)
+  const void* residual_grad = nullptr;  // (m, n) added to dX, or null
+  int64_t ld_residual_grad = 0;
+  void* dx = nullptr;                // (m, n) out
+  int64_t lddx = 0;
+  void* normalized = nullptr;        // (m, n) out N̂, or null
+  int64_t ld_normalized = 0;
+  void* dgamma = nullptr;            // (n) out, or null
+  void* dbeta = nullptr;             // (n) out, or null
+};
+
 // Each op runs on `stream`. `workspace` may be null: then the op allocates
 // what it needs stream-ordered (cudaMallocAsync) and frees it after.
 Status linear(DType dtype, const LinearArgs& args, void* workspace, size_t workspace_bytes,
@@ -89,7 +209,20 @@ Status dgrad(DType dtype, const DgradArgs& args, void* workspace, size_t workspa
 Status wgrad(DType dtype, const WgradArgs& args, void* workspace, size_t workspace_bytes,
              cudaStream_t stream);
 
+Status fold_norm_weight(DType dtype, const FoldNormWeightArgs& args, cudaStream_t stream);
+Status row_stats(DType dtype, const RowStatsArgs& args, cudaStream_t stream);
+Status norm_linear(DType dtype, const NormLinearArgs& args, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
+Status linear_residual(DType dtype, const LinearResidualArgs& args, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream);
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& args, cudaStream_t stream);
+Status norm_dgrad(DType dtype, const NormDgradArgs& args, void* workspace, size_t workspace_bytes,
+                  cudaStream_t stream);
+
 size_t linear_workspace_size(DType dtype, const LinearArgs& args);
+size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);
+size_t linear_residual_workspace_size(DType dtype, const LinearResidualArgs& args);
+size_t norm_dgrad_workspace_size(DType dtype, const NormDgradArgs& args);
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& args);
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
 

@@ -16,14 +16,6 @@ def make_norm(normalization: str, size: int, eps: float, device=None, dtype=None
     return nn.RMSNorm(size, eps=eps, device=device, dtype=dtype)
 
 
-def normalized_input(norm: nn.Module, x: torch.Tensor, stats: Optional[torch.Tensor]):
-    """The arguments of layernorm_linear / rmsnorm_linear for this norm."""
-    if isinstance(norm, nn.LayerNorm):
-        return ops._normalize(x, norm.weight, norm.bias, norm.eps, "layernorm", stats)
-    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    return ops._normalize(x, norm.weight, None, eps, "rmsnorm", stats)
-
-
 class NormInFront(nn.Module):
     """What LayerNormLinear and LayerNormMLP share: a norm in front, an activation name."""
 
@@ -34,9 +26,12 @@ class NormInFront(nn.Module):
         self.activation = activation
         self.norm = make_norm(normalization, size, eps, device, dtype)
 
-    def normed(self, x: torch.Tensor, stats: Optional[torch.Tensor]) -> torch.Tensor:
-        ops._check_stats(stats, x, f"nn.{type(self).__name__}")
-        return normalized_input(self.norm, x, stats)
+    def norm_args(self, x: torch.Tensor):
+        """(normalization, weight, bias, eps) of the norm, as the folding ops take them."""
+        if isinstance(self.norm, nn.LayerNorm):
+            return "LayerNorm", self.norm.weight, self.norm.bias, self.norm.eps
+        eps = self.norm.eps if self.norm.eps is not None else torch.finfo(x.dtype).eps
+        return "RMSNorm", self.norm.weight, None, eps
 
     def extra_repr(self) -> str:
         return f"normalization={self.normalization!r}, activation={self.activation!r}"
@@ -45,10 +40,12 @@ class NormInFront(nn.Module):
 class LayerNormLinear(NormInFront):
     """Norm(x) -> Linear (-> activation), in the style of Transformer Engine's LayerNormLinear.
 
-    Parameters live in ``norm`` (an nn.LayerNorm or nn.RMSNorm) and ``linear``
-    (an nn.Linear), so a plain pair's state_dicts load into them as they are.
-    ``forward(x, stats=None)`` takes the per-row (mean, rstd) that
-    coda.ops.linear_residual returns, to skip recomputing them.
+    The norm is folded into the GEMM (coda.ops.layernorm_linear / rmsnorm_linear):
+    the normalized input is never written. Parameters live in ``norm`` (an
+    nn.LayerNorm or nn.RMSNorm) and ``linear`` (an nn.Linear), so a plain
+    pair's state_dicts load into them as they are. ``forward(x, stats=None)``
+    takes the per-row (mean, rstd) of x that coda.ops.linear_residual returns,
+    to skip computing them.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
@@ -57,7 +54,11 @@ class LayerNormLinear(NormInFront):
         self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return ops.linear(self.normed(x, stats), self.linear.weight, self.linear.bias, self.activation)
+        kind, weight, bias, eps = self.norm_args(x)
+        if kind == "LayerNorm":
+            return ops.layernorm_linear(x, weight, bias, self.linear.weight, self.linear.bias, eps, self.activation,
+                                        stats)
+        return ops.rmsnorm_linear(x, weight, self.linear.weight, self.linear.bias, eps, self.activation, stats)
 
 
 class RMSNormLinear(LayerNormLinear):

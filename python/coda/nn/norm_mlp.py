@@ -13,8 +13,9 @@ class LayerNormMLP(NormInFront):
     """Norm(x) -> fc1 -> activation -> fc2 (+ residual), like Transformer Engine's LayerNormMLP.
 
     Parameters: ``norm`` (nn.LayerNorm or nn.RMSNorm), ``fc1``, ``fc2``
-    (nn.Linear). The MLP part runs as coda.ops.mlp (bias, activation and
-    residual in the epilogues, forward and backward).
+    (nn.Linear). Runs as coda.ops.norm_mlp: the norm folded into fc1, bias,
+    activation and residual in the epilogues, forward and backward.
+    ``forward(x, residual=x)`` is the pre-norm block x + MLP(Norm(x)).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
@@ -26,5 +27,6 @@ class LayerNormMLP(NormInFront):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 stats: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return ops.mlp(self.normed(x, stats), self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                       self.fc2.bias, activation=self.activation, residual=residual)
+        kind, weight, bias, eps = self.norm_args(x)
+        return ops.norm_mlp(x, weight, bias, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                            kind, eps, self.activation, residual, stats)

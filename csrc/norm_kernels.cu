@@ -1,0 +1,254 @@
+// The small non-GEMM kernels of the norm fold: each is one pass over a
+// vector-sized or weight-sized tensor, or over the rows of an activation only
+// where no GEMM epilogue can do the work (the first layer's statistics; the
+// backward of a lone norm-linear, whose output gradient comes from outside).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+#include <type_traits>
+
+#include "activation.hpp"
+#include "error.h"
+#include "kernels.h"
+
+namespace coda::kernels {
+namespace {
+
+template <class T>
+__device__ float to_float(T v);
+template <>
+__device__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ float to_float(__half v) { return __half2float(v); }
+template <class T>
+__device__ T from_float(float v);
+template <>
+__device__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __half from_float(float v) { return __float2half_rn(v); }
+
+// 8 elements of a 16-bit type: one 16-byte access.
+template <class T>
+struct alignas(16) Vec8 {
+  T v[8];
+};
+
+constexpr int kThreads = 256;
+
+// Sum of `v` over the block; every thread gets it. `shared` holds kThreads/32 floats.
+__device__ float block_sum(float v, float* shared) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // `shared` may still be read from a previous call
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  v = lane < kThreads / 32 ? shared[lane] : 0.f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+
+Status launched(const char* what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string(what) + " launch: " + cudaGetErrorString(e));
+  return Status::kSuccess;
+}
+
+unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+__global__ void row_partials_sum_kernel(const float* __restrict__ p, int64_t tiles, int64_t ld, int64_t rows,
+                                        float scale, float* __restrict__ out) {
+  int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float acc = 0.f;
+  for (int64_t t = 0; t < tiles; ++t) acc += p[t * ld + r];
+  out[r] = scale * acc;
+}
+
+// Merged in double: with |mean| = 10·std, Σy²/n − mean² cancels ~100x.
+__global__ void row_partials_stats_kernel(const float* __restrict__ sum, const float* __restrict__ sumsq,
+                                          int64_t tiles, int64_t ld, int64_t rows, int64_t n, float eps,
+                                          float* __restrict__ mean, float* __restrict__ rstd) {
+  int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  double s = 0.0, q = 0.0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (sum != nullptr) s += sum[t * ld + r];
+    q += sumsq[t * ld + r];
+  }
+  const double mu = sum != nullptr ? s / double(n) : 0.0;
+  const double var = fmax(q / double(n) - mu * mu, 0.0);
+  if (mean != nullptr) mean[r] = float(mu);
+  rstd[r] = float(rsqrt(var + double(eps)));
+}
+
+// One block per output feature n: W̃[n,:] = round(W[n,:] ⊙ γ), s[n] = Σ_k W̃[n,k]
+// (of the rounded values, so mean·s cancels exactly what the GEMM multiplies),
+// t[n] = Σ_k W[n,k]·β[k] + b[n].
+template <class T>
+__global__ void fold_norm_weight_kernel(const T* __restrict__ w, int64_t ldw, int64_t k, const T* __restrict__ gamma,
+                                        const T* __restrict__ beta, const T* __restrict__ bias, T* __restrict__ folded,
+                                        int64_t ldf, float* __restrict__ col_sum, float* __restrict__ shift) {
+  __shared__ float shared[kThreads / 32];
+  const int64_t n = blockIdx.x;
+  const T* row = w + n * ldw;
+  float s = 0.f, t = 0.f;
+  for (int64_t j = int64_t(threadIdx.x) * 8; j < k; j += int64_t(kThreads) * 8) {
+    Vec8<T> wv = *reinterpret_cast<const Vec8<T>*>(row + j);
+    Vec8<T> gv = *reinterpret_cast<const Vec8<T>*>(gamma + j);
+    Vec8<T> out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float wf = to_float(wv.v[i]);
+      out.v[i] = from_float<T>(wf * to_float(gv.v[i]));
+      s += to_float(out.v[i]);
+    }
+    if (beta != nullptr) {
+      Vec8<T> bv = *reinterpret_cast<const Vec8<T>*>(beta + j);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) t += to_float(wv.v[i]) * to_float(bv.v[i]);
+    }
+    if (folded != nullptr) *reinterpret_cast<Vec8<T>*>(folded + n * ldf + j) = out;
+  }
+  s = block_sum(s, shared);
+  t = block_sum(t, shared);
+  if (threadIdx.x == 0) {
+    if (col_sum != nullptr) col_sum[n] = s;
+    if (shift != nullptr) shift[n] = t + (bias != nullptr ? to_float(bias[n]) : 0.f);
+  }
+}
+
+// One block per row: mean (LayerNorm) and rstd, two passes over the row (the
+// second from L1/L2), so no E[x²] − mean² cancellation.
+template <class T>
+__global__ void row_stats_kernel(const T* __restrict__ x, int64_t ldx, int64_t n, bool layernorm, float eps,
+                                 float* __restrict__ mean, float* __restrict__ rstd) {
+  __shared__ float shared[kThreads / 32];
+  const T* row = x + int64_t(blockIdx.x) * ldx;
+  float mu = 0.f;
+  if (layernorm) {
+    float s = 0.f;
+    for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
+      Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += to_float(v.v[i]);
+    }
+    mu = block_sum(s, shared) / float(n);
+  }
+  float q = 0.f;
+  for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
+    Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float d = to_float(v.v[i]) - mu;
+      q += d * d;
+    }
+  }
+  q = block_sum(q, shared);
+  if (threadIdx.x == 0) {
+    if (mean != nullptr) mean[blockIdx.x] = mu;
+    rstd[blockIdx.x] = rsqrtf(q / float(n) + eps);
+  }
+}
+
+// One block per row of a lone norm-linear's backward: dP = dY ⊙ act'(H)
+// (written when the activation is not identity), c₁ = scale·Σ_n dP ⊙ (H − t),
+// c₂ = scale·Σ_n dP ⊙ s. With identity, H is the output Y itself.
+template <class T, epilogues::ActivationKind K>
+__global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
+                                     int64_t n, const float* __restrict__ shift, const float* __restrict__ col_sum,
+                                     float scale, T* __restrict__ dp, int64_t lddp, float* __restrict__ c1,
+                                     float* __restrict__ c2) {
+  __shared__ float shared[kThreads / 32];
+  const int64_t r = blockIdx.x;
+  float a1 = 0.f, a2 = 0.f;
+  for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
+    Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
+    Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+    Vec8<T> out;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float hf = to_float(hv.v[i]);
+      const float d = to_float(g.v[i]) * epilogues::detail::act_grad<K>(hf);
+      out.v[i] = from_float<T>(d);
+      // The GEMMs downstream read the rounded dP; reduce what they read.
+      const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[i]);
+      a1 += dr * (hf - (shift != nullptr ? shift[j + i] : 0.f));
+      if (col_sum != nullptr) a2 += dr * col_sum[j + i];
+    }
+    if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+  }
+  a1 = block_sum(a1, shared);
+  a2 = block_sum(a2, shared);
+  if (threadIdx.x == 0) {
+    c1[r] = scale * a1;
+    if (c2 != nullptr) c2[r] = scale * a2;
+  }
+}
+
+template <class Fn>
+Status with_type(DType dtype, Fn&& fn) {
+  if (dtype == DType::kBFloat16) return fn(__nv_bfloat16{});
+  return fn(__half{});
+}
+
+}  // namespace
+
+Status row_partials_sum(const float* partials, int64_t tiles, int64_t ld, int64_t rows, float scale, float* out,
+                        cudaStream_t stream) {
+  if (rows == 0) return Status::kSuccess;
+  row_partials_sum_kernel<<<blocks_for(rows, kThreads), kThreads, 0, stream>>>(partials, tiles, ld, rows, scale, out);
+  return launched("row_partials_sum");
+}
+
+Status row_partials_stats(const float* sum, const float* sumsq, int64_t tiles, int64_t ld, int64_t rows, int64_t n,
+                          float eps, float* mean, float* rstd, cudaStream_t stream) {
+  if (rows == 0) return Status::kSuccess;
+  row_partials_stats_kernel<<<blocks_for(rows, kThreads), kThreads, 0, stream>>>(sum, sumsq, tiles, ld, rows, n, eps,
+                                                                                 mean, rstd);
+  return launched("row_partials_stats");
+}
+
+Status fold_norm_weight(DType dtype, const FoldNormWeightArgs& a, cudaStream_t stream) {
+  if (a.n == 0) return Status::kSuccess;
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    fold_norm_weight_kernel<T><<<static_cast<unsigned>(a.n), kThreads, 0, stream>>>(
+        static_cast<const T*>(a.weight), a.ldw, a.k, static_cast<const T*>(a.gamma), static_cast<const T*>(a.beta),
+        static_cast<const T*>(a.bias), static_cast<T*>(a.folded), a.ld_folded, a.col_sum, a.shift);
+    return launched("fold_norm_weight");
+  });
+}
+
+Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return Status::kSuccess;
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    row_stats_kernel<T><<<static_cast<unsigned>(a.m), kThreads, 0, stream>>>(static_cast<const T*>(a.x), a.ldx, a.n,
+                                                                              a.mean != nullptr, a.eps, a.mean, a.rstd);
+    return launched("row_stats");
+  });
+}
+
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return Status::kSuccess;
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto launch = [&](auto k) {
+      norm_row_dots_kernel<T, decltype(k)::value><<<static_cast<unsigned>(a.m), kThreads, 0, stream>>>(
+          static_cast<const T*>(a.dy), a.lddy, static_cast<const T*>(a.pre_act), a.ld_pre_act, a.n, a.shift,
+          a.col_sum, a.scale, static_cast<T*>(a.dp), a.lddp, a.c1, a.c2);
+      return launched("norm_row_dots");
+    };
+    using K = epilogues::ActivationKind;
+    switch (static_cast<K>(a.activation)) {
+      case K::kGeluTanh: return launch(std::integral_constant<K, K::kGeluTanh>{});
+      case K::kGeluErf: return launch(std::integral_constant<K, K::kGeluErf>{});
+      case K::kReLU: return launch(std::integral_constant<K, K::kReLU>{});
+      case K::kSiLU: return launch(std::integral_constant<K, K::kSiLU>{});
+      default: return launch(std::integral_constant<K, K::kIdentity>{});
+    }
+  });
+}
+
+}  // namespace coda::kernels

@@ -1,0 +1,88 @@
+// Epilogue program: residual-reduce.
+//
+//   Y = X·Wᵀ + b + R,  and per row, over this tile's columns, Σ y and Σ y²
+//
+// The GEMM that writes the residual stream (an attention out-projection, an
+// MLP's fc2) already holds each output row in registers: reducing it there
+// gives the next norm's statistics without reading Y again. Each output tile
+// writes its row partials (one fp32 per row and N-tile); finalize_row_stats
+// merges the few tiles of a row into mean and rstd. The sums are taken over
+// Y as stored (rounded to Element), which is what the next norm reads. Σ y is
+// skipped (null) for RMSNorm.
+//
+//   Y = convert(                               root
+//         reduce_N_sum(                        Sm90ColReduction, plus  -> partials (null: skipped)
+//           reduce_N_sumsq(                    Sm90ColReduction, y²    -> partials
+//             convert<Element>(                the value stored
+//               acc + b[n] + R[m, n]))))       Sm90RowBroadcast, Sm90AuxLoad (null: 0)
+//
+// Sm90ColReduction is CUTLASS's reduction over N (one value per row).
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/thread/activation.h>
+#include <cutlass/functional.h>
+
+#include "norm_ops.hpp"
+
+namespace coda::epilogues {
+
+template <class Element, class EpilogueDescriptor>
+struct LinearResidualStats {
+  using ElementCompute = float;
+  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
+  using TileShape = typename EpilogueDescriptor::TileShape;
+  using Layout = cutlass::layout::RowMajor;
+  using Partial = Partials<TileShape>;
+
+  using RDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
+  using StrideMN = typename RDesc::Stride;
+  using StrideBias = cute::Stride<cute::_0, cute::_1, int64_t>;
+  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;
+
+  template <template <class> class Fn, class Out = ElementCompute>
+  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
+  template <template <class> class RegReduce>
+  using RowPartial = cutlass::epilogue::fusion::Sm90ColReduction<
+      RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
+      128 / cutlass::sizeof_bits<ElementCompute>::value, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+
+  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, ElementCompute, StrideBias, kAlignment>;
+  using Residual = cutlass::epilogue::fusion::Sm90AuxLoad<RDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
+                                                          StrideMN, typename RDesc::SmemLayoutAtom, typename RDesc::CopyOpS2R,
+                                                          kAlignment>;
+  using Sum = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
+  using WithResidual = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, Sum, Residual>;
+  using Rounded = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, WithResidual>;
+  using SumSq = cutlass::epilogue::fusion::Sm90EVT<RowPartial<cutlass::square_and_plus>, Rounded>;
+  using SumY = cutlass::epilogue::fusion::Sm90EVT<RowPartial<cutlass::plus>, SumSq>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, SumY>;
+
+  struct Arguments {
+    Element const* bias = nullptr;     // (N) or null
+    Element const* residual = nullptr; // (M, N) or null
+    int64_t ld_residual = 0;
+    float* sum_partials = nullptr;     // Partial::per_row_floats(M, N), or null
+    float* sumsq_partials = nullptr;   // Partial::per_row_floats(M, N)
+  };
+
+  static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
+    StrideMN dR = cute::make_stride(a.ld_residual, cute::_1{}, int64_t(0));
+    return {
+        {                                              // reduce_N_sum
+            {                                          // reduce_N_sumsq
+                {                                      // convert<Element>
+                    {                                  // + R
+                        {{}, {a.bias, Element(0), {}}, {}},  // acc + b
+                        {a.residual, Element(0), dR},
+                        {}},
+                    {}},
+                {a.sumsq_partials, 0.f, {}}},
+            {a.sum_partials, 0.f, {}}},
+        {}};
+  }
+};
+
+}  // namespace coda::epilogues
