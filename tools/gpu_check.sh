@@ -7,7 +7,7 @@
 #   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
-# --quick skips the kernel-configuration sweep.
+# --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -49,7 +49,7 @@ cmake --build "$CODA_BUILD_DIR" --target coda > "$OUT/cpp.log" 2>&1 &&
   { status=1; tail -20 "$OUT/cpp.log"; }
 
 step "benchmarks"
-python3 -m coda.bench --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+python3 -m coda.bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || status=1
 grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
 if [ "$QUICK" != "--quick" ]; then
   step "kernel-configuration sweep"
