@@ -292,6 +292,69 @@ def run_norm_mlp_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, dev
     r.time(case, "compile", lambda: torch.autograd.grad(compiled(*params), params, dy), fl)
 
 
+def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
+    """Each kernel of the norm-folding ops alone, against cuBLAS on the same GEMM
+    and against coda's plain kernel of the same shape: where the time goes."""
+    torch.manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda").to(dtype)
+
+    n = 3 * d
+    x, w, b = rand(m, d), rand(n, d) * d**-0.5, rand(n)
+    g, beta = rand(d), rand(d)
+    dp, h = rand(m, n), rand(m, n)
+    mean, rstd = torch.ops.coda.norm_row_stats(x, True, 1e-5)
+    folded, s, t = torch.ops.coda.norm_fold_weight(w, g, beta, b, True)
+    c1, c2 = torch.randn(m, device="cuda"), torch.randn(m, device="cuda")
+    fl = 2.0 * m * d * n
+    cases = {
+        # name: (flops, cuBLAS, {impl: fn})
+        f"qkv_fwd_{m}x{d}x{n}": (fl, lambda: torch.matmul(x, w.t()), {
+            "coda[linear+bias]": lambda: torch.ops.coda.gemm_linear(x, w, b, None, 0, False),
+            "coda[norm_linear]": lambda: torch.ops.coda.gemm_norm_linear(x, folded, mean, rstd, s, t, 0, False),
+            "coda[row_stats]": lambda: torch.ops.coda.norm_row_stats(x, True, 1e-5),
+            "coda[fold]": lambda: torch.ops.coda.norm_fold_weight(w, g, beta, b, True),
+        }),
+        f"qkv_dgrad_{m}x{n}x{d}": (fl, lambda: torch.matmul(dp, w), {
+            "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dp, w, None, 0, False),
+            "coda[norm_dgrad]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1, c2, None,
+                                                                       True, True),
+            "coda[norm_dgrad,no_nhat]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1,
+                                                                               c2, None, False, True),
+            "coda[norm_dgrad,no_dgamma]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1,
+                                                                                 c2, None, True, False),
+            "coda[norm_dgrad,+dres]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1, c2,
+                                                                             x, True, True),
+            "coda[row_dots]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d),
+            "coda[bias_grad]": lambda: dp.sum(0, dtype=torch.float32),
+        }),
+        f"qkv_wgrad_{n}x{d}x{m}": (fl, lambda: torch.matmul(dp.t(), x), {
+            "coda[wgrad]": lambda: torch.ops.coda.gemm_wgrad(dp, x),
+        }),
+        f"oproj_fwd_{m}x{d}x{d}": (2.0 * m * d * d, lambda: torch.matmul(x, w[:d].t()), {
+            "coda[linear+bias+residual]": lambda: torch.ops.coda.gemm_linear(x, w[:d], b[:d], x, 0, False),
+            "coda[linear_residual_stats]": lambda: torch.ops.coda.gemm_linear_residual(x, w[:d], b[:d], x, True,
+                                                                                       1e-5),
+        }),
+    }
+    dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
+    s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
+    cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
+        "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
+        "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
+    })
+    for name, (flops, cublas, impls) in cases.items():
+        r.time(name, "cublas", cublas, flops)
+        for impl, fn in impls.items():
+            r.time(name, impl, fn, flops)
+        if "dgrad" in name and "fc2" not in name:  # the raster order of the heavy epilogue
+            for raster in (1, 2):
+                torch.ops.coda.set_tuning(-1, raster, 8)
+                r.time(name, f"coda[norm_dgrad,r{raster}]", impls["coda[norm_dgrad]"], flops)
+            torch.ops.coda.set_tuning(-1, -1, -1)
+
+
 def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(1, 2, 4, 8)) -> None:
     """Every kernel configuration, raster order and swizzle on the MLP's GEMMs."""
     torch.manual_seed(0)
@@ -383,6 +446,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.only != "mlp":
             run_norm_cases(r, m, d, dtype, device)
             run_norm_mlp_case(r, m, d, f, dtype, device)
+            if gpu:
+                run_norm_breakdown(r, m, d, f, dtype)
     if gpu and (args.sweep or args.only_sweep):
         run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")))
     summarize(r.results)

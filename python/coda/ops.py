@@ -320,6 +320,17 @@ def _stats_for(x: Tensor, mean: Optional[Tensor], rstd: Optional[Tensor], layern
     return (m if layernorm else _empty_f32(x)), r
 
 
+def _forward_rstd(rstd: Tensor, eps: float, layernorm: bool) -> Tensor:
+    """The per-row factor the folded forward applies: rstd, but 0 for rows whose
+    variance is below 2⁻¹⁹·eps (constant rows). Their x̂ = (x − mean)·rstd is 0
+    (to |x̂| < 0.1 in the worst case), while the fold's rstd·(x·W̃ᵀ − mean·s)
+    would multiply the fp32 rounding of two large sums by up to 1/sqrt(eps).
+    RMSNorm subtracts nothing and needs no guard."""
+    if not layernorm:
+        return rstd
+    return torch.where(rstd >= (1.0 - 2.0**-20) / math.sqrt(eps), torch.zeros_like(rstd), rstd)
+
+
 def _fold(w: Tensor, gamma: Tensor, beta: Optional[Tensor], bias: Optional[Tensor], layernorm: bool, fused: bool,
           cached: Optional[List[Tensor]] = None):
     """(W̃, s or empty for RMSNorm, t); `cached` is a (W̃, s, t) kept by _fold_cache."""
@@ -352,8 +363,9 @@ def _norm_linear(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], we
     mean, rstd = _stats_for(x, mean, rstd, layernorm, eps, fused)
     folded, s, t = _fold(weight, norm_weight, norm_bias, bias, layernorm, fused, folded)
     if fused:
-        y, h = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None, rstd,
-                                               s if layernorm else None, t, activation, save)
+        y, h = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None,
+                                               _forward_rstd(rstd, eps, layernorm), s if layernorm else None, t,
+                                               activation, save)
         return y, h, mean, rstd, s, t
     # the reference normalizes in x's precision unless stats were given
     h = reference.normalize(x, norm_weight, norm_bias, eps, layernorm, *given)
@@ -487,8 +499,9 @@ def _norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: T
     folded, s, t = _fold(w1, norm_weight, norm_bias, b1, layernorm, fused, folded)
     res = x if add_input else residual
     if fused:
-        a1, h1 = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None, rstd,
-                                                 s if layernorm else None, t, activation, save_h)
+        a1, h1 = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None,
+                                                 _forward_rstd(rstd, eps, layernorm), s if layernorm else None, t,
+                                                 activation, save_h)
         y, _ = torch.ops.coda.gemm_linear(a1, w2.contiguous(), _contig(b2),
                                           None if res is None else _kernels.rows(res), 0, False)
     else:
