@@ -66,6 +66,33 @@ inline int sm_count(int device) {
   return counts[device];
 }
 
+// The epilogue's shape and pipeline depths: CUTLASS's choice, except that the
+// load pipeline (which every aux load of an epilogue program shares, one smem
+// buffer per stage and loaded tensor) is at most kEpilogueLoadStages deep.
+//
+// Why: every smem byte the epilogue holds is carved out of the mainloop's
+// operand stages (StageCountAutoCarveout). CUTLASS gives the load pipeline
+// min(subtiles, 4) stages, 32 KB per loaded tensor for a 128x256 tile with
+// 128x32 subtiles: one 48 KB mainloop stage per tensor. On an H200 the norm's
+// dgrad epilogue (two aux loads, an aux store, D) left the mainloop 2 stages
+// and ran 1.44x the plain dgrad whichever of its outputs were switched off
+// (benchmarks/results, run of 8efa041). Two stages keep one subtile's load in
+// flight while the previous one is consumed.
+constexpr int kEpilogueLoadStages = 2;
+
+template <class TileShape_, class Element, class Schedule>
+struct EpilogueRecipe {
+  using TileShape = TileShape_;
+  using EpilogueTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+                                Element, cutlass::epilogue::collective::EpilogueTileAuto, Schedule, TileShape>());
+  using Stock = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
+                         TileShape, EpilogueTile, void, Element, Schedule>());
+  static constexpr int StagesC = Stock::StagesC < kEpilogueLoadStages ? Stock::StagesC : kEpilogueLoadStages;
+  static constexpr int StagesD = Stock::StagesD;
+  using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
+                                                                   Stock::ReuseSmemC, Stock::DelayTmaStore>;
+};
+
 template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
 struct Gemm {
   using Element = typename ElementOf<T>::type;
@@ -74,16 +101,17 @@ struct Gemm {
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
   using LayoutD = cutlass::layout::RowMajor;
 
-  using EpilogueDescriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, cutlass::epilogue::collective::EpilogueTileAuto, void, Element, typename Tile::EpilogueSchedule>;
+  // What the epilogue programs read their node parameters from (TileShape,
+  // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
+  using EpilogueDescriptor = EpilogueRecipe<TileShape, Element, typename Tile::EpilogueSchedule>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, typename Tile::ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+  // The collective builder's own assembly, with the recipe's dispatch policy.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, typename EpilogueDescriptor::EpilogueTile, float, float,
       void, LayoutD, kAlignment,       // no C: residuals come in through the program's own loads
       Element, LayoutD, kAlignment,
-      typename Tile::EpilogueSchedule, typename EpilogueProgram::Callbacks>::CollectiveOp;
+      typename EpilogueProgram::Callbacks, typename EpilogueDescriptor::DispatchPolicy>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,

@@ -151,6 +151,12 @@ __global__ void row_stats_kernel(const T* __restrict__ x, int64_t ldx, int64_t n
   }
 }
 
+// 8 consecutive floats (32-byte aligned: j is a multiple of 8) in two 16-byte loads.
+__device__ void load8(const float* __restrict__ p, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
 // One block per row of a lone norm-linear's backward: dP = dY ⊙ act'(H)
 // (written when the activation is not identity), c₁ = scale·Σ_n dP ⊙ (H − t),
 // c₂ = scale·Σ_n dP ⊙ s. With identity, H is the output Y itself.
@@ -165,6 +171,9 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
   for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
     Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
     Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+    float tv[8] = {}, sv[8] = {};
+    if (shift != nullptr) load8(shift + j, tv);
+    if (col_sum != nullptr) load8(col_sum + j, sv);
     Vec8<T> out;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -173,8 +182,8 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
       out.v[i] = from_float<T>(d);
       // The GEMMs downstream read the rounded dP; reduce what they read.
       const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[i]);
-      a1 += dr * (hf - (shift != nullptr ? shift[j + i] : 0.f));
-      if (col_sum != nullptr) a2 += dr * col_sum[j + i];
+      a1 += dr * (hf - tv[i]);
+      a2 += dr * sv[i];
     }
     if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
   }
