@@ -541,6 +541,8 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream)
   CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("dp", a.dp, a.lddp, a.n, a.activation != Activation::kIdentity));
   if (a.c1 == nullptr) return detail::fail(Status::kInvalidArgument, "c1 is null");
+  CODA_RETURN_IF_ERROR(check_vector("shift", a.shift, false));
+  CODA_RETURN_IF_ERROR(check_vector("col_sum", a.col_sum, false));
   CODA_RETURN_IF_ERROR(check_device());
   return kernels::norm_row_dots(dtype, a, stream);
 }
