@@ -7,17 +7,11 @@
 #include <string>
 
 #include "error.h"
+#include "half_types.cuh"
 #include "kernels.h"
 
 namespace coda::kernels {
 namespace {
-
-template <class T>
-__device__ T from_float(float v);
-template <>
-__device__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __half from_float(float v) { return __float2half_rn(v); }
 
 // One thread per column; consecutive threads read consecutive columns.
 template <class T>

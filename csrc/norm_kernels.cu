@@ -10,23 +10,11 @@
 
 #include "activation.hpp"
 #include "error.h"
+#include "half_types.cuh"
 #include "kernels.h"
 
 namespace coda::kernels {
 namespace {
-
-template <class T>
-__device__ float to_float(T v);
-template <>
-__device__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ float to_float(__half v) { return __half2float(v); }
-template <class T>
-__device__ T from_float(float v);
-template <>
-__device__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __half from_float(float v) { return __float2half_rn(v); }
 
 // 8 elements of a 16-bit type: one 16-byte access.
 template <class T>

@@ -27,35 +27,19 @@
 #include <cutlass/functional.h>
 
 #include "activation.hpp"
-#include "norm_ops.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct DActDBias {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  using Partial = typename P::Partial;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
 
-  using HDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename HDesc::Stride;
-  using StrideBias = cute::Stride<cute::_0, cute::_1, int64_t>;
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-
-  using H = cutlass::epilogue::fusion::Sm90AuxLoad<HDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
-                                                   StrideMN, typename HDesc::SmemLayoutAtom, typename HDesc::CopyOpS2R,
-                                                   kAlignment>;
-  using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, cutlass::epilogue::fusion::Sm90AccFetch, H>;
-  using DBias = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90RowReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape,
-                                                  ElementCompute, ElementCompute, Round, StrideBias,
-                                                  128 / cutlass::sizeof_bits<ElementCompute>::value,
-                                                  /*EnableNullptr=*/true, /*FinalReduction=*/false>,
-      DAct>;
+  using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, typename P::Acc, typename P::Load>;
+  using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::ReduceM, DAct>;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
 
   struct Arguments {
@@ -65,14 +49,11 @@ struct DActDBias {
     float* dbias_partials = nullptr;       // Partial::per_col_floats(M, N), or null
   };
 
-  using Partial = Partials<TileShape>;
-
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));
     return {
         {                                        // reduce_M(act_grad(acc, H))
-            {{}, {a.pre_act, Element(0), dH}, {a.activation}},  // act_grad(acc, H)
-            {a.dbias_partials, ElementCompute(0), {}}},  // reduce_M -> partials
+            {{}, {a.pre_act, Element(0), P::matrix(a.ld_pre_act)}, {a.activation}},  // act_grad(acc, H)
+            {a.dbias_partials, 0.f, {}}},  // reduce_M -> partials
         {}};                                     // convert
   }
 };

@@ -27,42 +27,25 @@
 #include <cutlass/functional.h>
 
 #include "activation.hpp"
-#include "norm_ops.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct DActDBiasRowDot {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  static constexpr int kAlignmentF32 = 4;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
-  using Partial = Partials<TileShape>;
-
-  using HDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename HDesc::Stride;
-  using StrideRowVec = cute::Stride<cute::_0, cute::_1, int64_t>;
-  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  using PerCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;
-  using ReduceN = cutlass::epilogue::fusion::Sm90ColReduction<
-      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
-      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
-  using ReduceM = cutlass::epilogue::fusion::Sm90RowReduction<
-      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideRowVec,
-      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
-  using H = cutlass::epilogue::fusion::Sm90AuxLoad<HDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
-                                                   StrideMN, typename HDesc::SmemLayoutAtom, typename HDesc::CopyOpS2R,
-                                                   kAlignment>;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  using Partial = typename P::Partial;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
+  using H = typename P::Load;
+  using PerCol = typename P::PerColF32;
+  using ReduceN = typename P::template ReduceN<>;
+  using ReduceM = typename P::ReduceM;
 
   using Edges = cute::tuple<cute::seq<>, cute::seq<>, cute::seq<0, 1>, cute::seq<>, cute::seq<>, cute::seq<2, 1, 3>,
                             cute::seq<5>, cute::seq<2, 4>, cute::seq<7>, cute::seq<2>, cute::seq<9>>;
   using Callbacks = cutlass::epilogue::fusion::Sm90TopologicalVisitor<
-      ElementCompute, Edges,
+      float, Edges,
       cutlass::epilogue::fusion::Sm90AccFetch,   // 0
       H,                                         // 1
       Compute<RuntimeActivationGrad>,            // 2
@@ -87,11 +70,10 @@ struct DActDBiasRowDot {
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));
     using Args = typename Callbacks::Arguments;
     return Args{
         typename cutlass::epilogue::fusion::Sm90AccFetch::Arguments{},
-        typename H::Arguments{a.pre_act, Element(0), dH},
+        typename H::Arguments{a.pre_act, Element(0), P::matrix(a.ld_pre_act)},
         typename Compute<RuntimeActivationGrad>::Arguments{a.activation},
         typename PerCol::Arguments{a.shift, 0.f, {}},
         typename PerCol::Arguments{a.col_sum, 0.f, {}},

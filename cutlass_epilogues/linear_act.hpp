@@ -19,36 +19,20 @@
 #include <cutlass/functional.h>
 
 #include "activation.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct LinearAct {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
 
-  using HDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDescriptor, Layout, Element>;
-  using RDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename HDesc::Stride;
-  using StrideBias = cute::Stride<cute::_0, cute::_1, int64_t>;
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-
-  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, ElementCompute, StrideBias, kAlignment>;
-  using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
-  using StoreH = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90AuxStore<HDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element, Round,
-                                              StrideMN, typename HDesc::SmemLayoutAtom, typename HDesc::CopyOpR2S, kAlignment>,
-      PreAct>;
+  using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, typename P::Acc, typename P::PerCol>;
+  using StoreH = cutlass::epilogue::fusion::Sm90EVT<typename P::Store, PreAct>;
   using Act = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation>, StoreH>;
-  using Residual = cutlass::epilogue::fusion::Sm90AuxLoad<RDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
-                                                          StrideMN, typename RDesc::SmemLayoutAtom, typename RDesc::CopyOpS2R,
-                                                          kAlignment>;
-  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus, Element>, Act, Residual>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus, Element>, Act, typename P::Load>;
 
   // The run-time leaves, in the order the tree reads them.
   struct Arguments {
@@ -61,15 +45,13 @@ struct LinearAct {
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));
-    StrideMN dR = cute::make_stride(a.ld_residual, cute::_1{}, int64_t(0));
     return {
         {                                        // act(store_H(acc + bias))
             {                                    // store_H(acc + bias)
                 {{}, {a.bias, Element(0), {}}, {}},  // acc + bias
-                {a.pre_act, dH}},                // store_H
+                {a.pre_act, P::matrix(a.ld_pre_act)}},  // store_H
             {a.activation}},                     // act
-        {a.residual, Element(0), dR},            // residual
+        {a.residual, Element(0), P::matrix(a.ld_residual)},  // residual
         {}};                                     // plus
   }
 };

@@ -24,41 +24,24 @@
 #include <cutlass/epilogue/thread/activation.h>
 #include <cutlass/functional.h>
 
-#include "norm_ops.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct LinearResidualStats {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
-  using Partial = Partials<TileShape>;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  using Partial = typename P::Partial;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
+  using Identity = Compute<cutlass::epilogue::thread::Identity, Element>;
 
-  using RDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename RDesc::Stride;
-  using StrideBias = cute::Stride<cute::_0, cute::_1, int64_t>;
-  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  template <template <class> class RegReduce>
-  using RowPartial = cutlass::epilogue::fusion::Sm90ColReduction<
-      RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
-      128 / cutlass::sizeof_bits<ElementCompute>::value, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
-
-  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, ElementCompute, StrideBias, kAlignment>;
-  using Residual = cutlass::epilogue::fusion::Sm90AuxLoad<RDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
-                                                          StrideMN, typename RDesc::SmemLayoutAtom, typename RDesc::CopyOpS2R,
-                                                          kAlignment>;
-  using Sum = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
-  using WithResidual = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, Sum, Residual>;
-  using Rounded = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, WithResidual>;
-  using SumSq = cutlass::epilogue::fusion::Sm90EVT<RowPartial<cutlass::square_and_plus>, Rounded>;
-  using SumY = cutlass::epilogue::fusion::Sm90EVT<RowPartial<cutlass::plus>, SumSq>;
-  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, SumY>;
+  using Sum = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, typename P::Acc, typename P::PerCol>;
+  using WithResidual = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, Sum, typename P::Load>;
+  using Rounded = cutlass::epilogue::fusion::Sm90EVT<Identity, WithResidual>;
+  using SumSq = cutlass::epilogue::fusion::Sm90EVT<typename P::template ReduceN<cutlass::square_and_plus>, Rounded>;
+  using SumY = cutlass::epilogue::fusion::Sm90EVT<typename P::template ReduceN<cutlass::plus>, SumSq>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Identity, SumY>;
 
   struct Arguments {
     Element const* bias = nullptr;     // (N) or null
@@ -69,14 +52,13 @@ struct LinearResidualStats {
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dR = cute::make_stride(a.ld_residual, cute::_1{}, int64_t(0));
     return {
         {                                              // reduce_N_sum
             {                                          // reduce_N_sumsq
                 {                                      // convert<Element>
                     {                                  // + R
                         {{}, {a.bias, Element(0), {}}, {}},  // acc + b
-                        {a.residual, Element(0), dR},
+                        {a.residual, Element(0), P::matrix(a.ld_residual)},
                         {}},
                     {}},
                 {a.sumsq_partials, 0.f, {}}},

@@ -23,45 +23,27 @@
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/functional.h>
 
-#include "norm_ops.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct NormDgrad {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  static constexpr int kAlignmentF32 = 4;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
-  using Partial = Partials<TileShape>;
-
-  using LoadDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StoreDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename LoadDesc::Stride;
-  using StrideRowVec = cute::Stride<cute::_0, cute::_1, int64_t>;
-  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element,
-                                                      StrideMN, typename LoadDesc::SmemLayoutAtom,
-                                                      typename LoadDesc::CopyOpS2R, kAlignment>;
-  using Store = cutlass::epilogue::fusion::Sm90AuxStore<StoreDesc::Stages, typename EpilogueDescriptor::EpilogueTile,
-                                                        Element, Round, StrideMN, typename StoreDesc::SmemLayoutAtom,
-                                                        typename StoreDesc::CopyOpR2S, kAlignment>;
-  using PerRow = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
-  using PerCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, float, StrideRowVec, kAlignment>;
-  using ReduceM = cutlass::epilogue::fusion::Sm90RowReduction<
-      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideRowVec,
-      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  using Partial = typename P::Partial;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
+  using Load = typename P::Load;
+  using Store = typename P::Store;
+  using PerRow = typename P::PerRowF32;
+  using PerCol = typename P::PerCol;
+  using ReduceM = typename P::ReduceM;
 
   using Edges = cute::tuple<cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<1, 2, 3>, cute::seq<>,
                             cute::seq<>, cute::seq<4, 5, 6>, cute::seq<7>, cute::seq<0, 4>, cute::seq<9>,
                             cute::seq<0>, cute::seq<>, cute::seq<>, cute::seq<>, cute::seq<0, 4, 5, 3, 12, 13, 14>>;
   using Callbacks = cutlass::epilogue::fusion::Sm90TopologicalVisitor<
-      ElementCompute, Edges,
+      float, Edges,
       cutlass::epilogue::fusion::Sm90AccFetch,   // 0
       Load,                                      // 1 x
       PerRow,                                    // 2 mean
@@ -97,26 +79,23 @@ struct NormDgrad {
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dX = cute::make_stride(a.ld_x, cute::_1{}, int64_t(0));
-    StrideMN dR = cute::make_stride(a.ld_residual_grad, cute::_1{}, int64_t(0));
-    StrideMN dN = cute::make_stride(a.ld_normalized, cute::_1{}, int64_t(0));
     using Args = typename Callbacks::Arguments;
     return Args{
         typename cutlass::epilogue::fusion::Sm90AccFetch::Arguments{},
-        typename Load::Arguments{a.x, Element(0), dX},
+        typename Load::Arguments{a.x, Element(0), P::matrix(a.ld_x)},
         typename PerRow::Arguments{a.mean, 0.f, {}},
         typename PerRow::Arguments{a.rstd, 1.f, {}},
         typename Compute<Standardize>::Arguments{},
         typename PerCol::Arguments{a.gamma, Element(1), {}},
         typename PerCol::Arguments{a.beta, Element(0), {}},
         typename Compute<ScaleShift>::Arguments{},
-        typename Store::Arguments{a.normalized, dN},
+        typename Store::Arguments{a.normalized, P::matrix(a.ld_normalized)},
         typename Compute<Product>::Arguments{},
         typename ReduceM::Arguments{a.dgamma_partials, 0.f, {}},
         typename ReduceM::Arguments{a.dbeta_partials, 0.f, {}},
         typename PerRow::Arguments{a.c1, 0.f, {}},
         typename PerRow::Arguments{a.c2, 0.f, {}},
-        typename Load::Arguments{a.residual_grad, Element(0), dR},
+        typename Load::Arguments{a.residual_grad, Element(0), P::matrix(a.ld_residual_grad)},
         typename Compute<NormInputGrad, Element>::Arguments{}};
   }
 };

@@ -25,36 +25,20 @@
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 
 #include "activation.hpp"
-#include "norm_ops.hpp"
+#include "primitives.hpp"
 
 namespace coda::epilogues {
 
 template <class Element, class EpilogueDescriptor>
 struct NormLinearAct {
-  using ElementCompute = float;
-  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
-  static constexpr int kAlignmentF32 = 4;
-  using TileShape = typename EpilogueDescriptor::TileShape;
-  using Layout = cutlass::layout::RowMajor;
+  using P = Primitives<Element, EpilogueDescriptor>;
+  template <template <class> class Fn, class Out = float>
+  using Compute = typename P::template Compute<Fn, Out>;
+  using PerRow = typename P::PerRowF32;
+  using PerCol = typename P::PerColF32;
 
-  using HDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename HDesc::Stride;
-  using StrideRowVec = cute::Stride<cute::_0, cute::_1, int64_t>;  // one value per column n
-  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;  // one value per row m
-
-  template <template <class> class Fn, class Out = ElementCompute>
-  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  using PerRow = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
-  using PerCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;
-
-  using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<NormAffine>, cutlass::epilogue::fusion::Sm90AccFetch,
-                                                    PerRow, PerRow, PerCol, PerCol>;
-  using StoreH = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90AuxStore<HDesc::Stages, typename EpilogueDescriptor::EpilogueTile, Element, Round,
-                                              StrideMN, typename HDesc::SmemLayoutAtom, typename HDesc::CopyOpR2S,
-                                              kAlignment>,
-      PreAct>;
+  using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<NormAffine>, typename P::Acc, PerRow, PerRow, PerCol, PerCol>;
+  using StoreH = cutlass::epilogue::fusion::Sm90EVT<typename P::Store, PreAct>;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation, Element>, StoreH>;
 
   struct Arguments {
@@ -68,7 +52,6 @@ struct NormLinearAct {
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    StrideMN dH = cute::make_stride(a.ld_pre_act, cute::_1{}, int64_t(0));
     return {
         {                                              // store_H(NormAffine(...))
             {                                          // NormAffine(acc, mean, rstd, s, t)
@@ -78,7 +61,7 @@ struct NormLinearAct {
                 {a.col_sum, 0.f, {}},                  // s[n]
                 {a.shift, 0.f, {}},                    // t[n]
                 {}},
-            {a.pre_act, dH}},                          // store_H
+            {a.pre_act, P::matrix(a.ld_pre_act)}},                          // store_H
         {a.activation}};                               // act
   }
 };

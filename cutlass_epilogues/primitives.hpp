@@ -1,0 +1,70 @@
+// The named primitives every epilogue program is assembled from, bound to one
+// element type and one epilogue shape (EpilogueRecipe in csrc/gemm.cuh):
+// scaling (per-row / per-column broadcasts), elementwise ops, aux loads and
+// stores, and reductions over M or N into per-tile partials.
+//
+// CUTLASS's names, for reading the programs: Sm90ColBroadcast holds one value
+// per row m (a column vector), Sm90RowBroadcast one per column n;
+// Sm90ColReduction reduces over N (one value per row), Sm90RowReduction over
+// M (one per column). Here they are PerRow / PerCol and ReduceN / ReduceM.
+#pragma once
+
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/functional.h>
+
+#include <cstdint>
+
+#include "norm_ops.hpp"
+
+namespace coda::epilogues {
+
+template <class Element_, class EpilogueDescriptor>
+struct Primitives {
+  using Element = Element_;
+  using ElementCompute = float;  // every program computes in fp32
+  static constexpr auto Round = cutlass::FloatRoundStyle::round_to_nearest;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
+  static constexpr int kAlignmentF32 = 4;
+  using TileShape = typename EpilogueDescriptor::TileShape;
+  using EpilogueTile = typename EpilogueDescriptor::EpilogueTile;
+  using Layout = cutlass::layout::RowMajor;
+  using Partial = Partials<TileShape>;
+
+  using LoadDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
+  using StoreDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDescriptor, Layout, Element>;
+  using StrideMN = typename LoadDesc::Stride;  // (M, N) row-major with a leading dimension
+  using StrideRowVec = cute::Stride<cute::_0, cute::_1, int64_t>;  // one value per column n
+  using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;  // one value per row m
+
+  static StrideMN matrix(int64_t ld) { return cute::make_stride(ld, cute::_1{}, int64_t(0)); }
+
+  using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
+  // Fn<Array<float, N>> applied to the children, converted to Out.
+  template <template <class> class Fn, class Out = ElementCompute>
+  using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
+  // An (M, N) tensor in Element, through smem (null: the default value, no loads).
+  using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, EpilogueTile, Element, StrideMN,
+                                                      typename LoadDesc::SmemLayoutAtom, typename LoadDesc::CopyOpS2R,
+                                                      kAlignment>;
+  // The child's value, also written as an (M, N) Element tensor (null: not written).
+  using Store = cutlass::epilogue::fusion::Sm90AuxStore<StoreDesc::Stages, EpilogueTile, Element, Round, StrideMN,
+                                                        typename StoreDesc::SmemLayoutAtom,
+                                                        typename StoreDesc::CopyOpR2S, kAlignment>;
+  // Per-row / per-column vectors (null: the default value).
+  using PerRowF32 = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
+  using PerColF32 = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;
+  using PerCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, float, StrideRowVec, kAlignment>;
+  // Sums of the child over this tile's columns (one per row) / rows (one per
+  // column), fp32, into Partial's buffers; RegReduce folds one value in
+  // (square_and_plus: Σ y²). Null: skipped. The child's value passes through.
+  template <template <class> class RegReduce = cutlass::plus>
+  using ReduceN = cutlass::epilogue::fusion::Sm90ColReduction<
+      RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
+      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+  using ReduceM = cutlass::epilogue::fusion::Sm90RowReduction<
+      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideRowVec,
+      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+};
+
+}  // namespace coda::epilogues
