@@ -106,32 +106,45 @@ __global__ void fold_norm_weight_kernel(const T* __restrict__ w, int64_t ldw, in
   }
 }
 
-// One block per row: mean (LayerNorm) and rstd, two passes over the row (the
-// second from L1/L2), so no E[x²] − mean² cancellation.
+// One block per row: mean (LayerNorm) and rstd, two passes over the row, so
+// no E[x²] − mean² cancellation. The first kCached 16-byte chunks of each
+// thread stay in registers (rows up to kThreads·8·kCached = 8192 elements are
+// read from memory once); the rest is read again, from L2.
 template <class T>
 __global__ void row_stats_kernel(const T* __restrict__ x, int64_t ldx, int64_t n, bool layernorm, float eps,
                                  float* __restrict__ mean, float* __restrict__ rstd) {
+  constexpr int kCached = 4;
+  constexpr int64_t kStride = int64_t(kThreads) * 8;
   __shared__ float shared[kThreads / 32];
   const T* row = x + int64_t(blockIdx.x) * ldx;
+  const int64_t first = int64_t(threadIdx.x) * 8;
+  Vec8<T> cached[kCached];
+#pragma unroll
+  for (int c = 0; c < kCached; ++c) {
+    if (first + c * kStride < n) cached[c] = *reinterpret_cast<const Vec8<T>*>(row + first + c * kStride);
+  }
+  auto for_each = [&](auto&& fn) {
+#pragma unroll
+    for (int c = 0; c < kCached; ++c) {
+      if (first + c * kStride < n) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) fn(to_float(cached[c].v[i]));
+      }
+    }
+    for (int64_t j = first + kCached * kStride; j < n; j += kStride) {
+      Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) fn(to_float(v.v[i]));
+    }
+  };
   float mu = 0.f;
   if (layernorm) {
     float s = 0.f;
-    for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
-      Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s += to_float(v.v[i]);
-    }
+    for_each([&](float v) { s += v; });
     mu = block_sum(s, shared) / float(n);
   }
   float q = 0.f;
-  for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
-    Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float d = to_float(v.v[i]) - mu;
-      q += d * d;
-    }
-  }
+  for_each([&](float v) { q += (v - mu) * (v - mu); });
   q = block_sum(q, shared);
   if (threadIdx.x == 0) {
     if (mean != nullptr) mean[blockIdx.x] = mu;

@@ -200,10 +200,10 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
         bias = rand(n) if layernorm else None
         fl = 2.0 * m * d * n
         if layernorm:
-            fused = lambda x, g, b, w, bias: coda.ops.layernorm_linear(x, g, b, w, bias)  # noqa: E731
+            fused = lambda x, g, b, w, bias, stats=None: coda.ops.layernorm_linear(x, g, b, w, bias, stats=stats)  # noqa: E731
             eager, args = eager_ln_qkv, [x, gamma, beta, w, bias]
         else:
-            fused = lambda x, g, w: coda.ops.rmsnorm_linear(x, g, w)  # noqa: E731
+            fused = lambda x, g, w, stats=None: coda.ops.rmsnorm_linear(x, g, w, stats=stats)  # noqa: E731
             eager, args = eager_rms_qkv, [x, gamma, w]
         case = f"{name}_fwd_{m}x{d}x{n}"
         with torch.no_grad():
@@ -213,6 +213,10 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
             r.time(case, "compile", lambda: compiled[eager](*args), fl)
             if not layernorm and liger_rms is not None:
                 r.time(case, "liger", lambda: liger_rms_qkv(*args), fl)
+            if r.gpu:  # in a block the stats come from the residual-reduce before (no pass over x)
+                stats = coda.ops.row_stats(x, "LayerNorm" if layernorm else "RMSNorm", 1e-5 if layernorm else 1e-6)
+                r.time(case + "_given_stats", "coda", lambda: fused(*args, stats=stats), fl)
+                r.time(case + "_given_stats", "cublas", lambda: torch.matmul(x, w.t()), fl)
             # the fold alone (W̃ = W∘γ, s, t): once per weight update, inside every forward above
             if r.gpu:
                 r.time(case + "_fold_only", "coda", lambda: torch.ops.coda.norm_fold_weight(w, gamma, beta if layernorm else None, bias, True), fl)
