@@ -242,3 +242,18 @@ def test_fold_cache_sees_weight_updates(seed):
     ref = reference.norm_linear_ref(x.double(), g.double(), b.double(), w.double(), bias.double())
     unfused = reference.norm_linear_ref(x, g, b, w, bias)
     within_torch_error(f"fold cache after update seed={seed}", rel_err(after, ref), rel_err(unfused, ref))
+
+
+@pytest.mark.parametrize("d", [256, 8200, 12288])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_row_stats_pass(d, normalization, seed):
+    # The one-pass statistics for a first layer: rows longer than the 8192
+    # elements it keeps in registers are read a second time.
+    x = residual_stream(333, d)
+    layernorm = normalization == "LayerNorm"
+    poison_cuda_allocator(1 << 20)
+    stats = coda.ops.row_stats(x, normalization, 1e-5)
+    mean64, rstd64 = reference.row_stats_in(x, layernorm, 1e-5, torch.float64)
+    assert rel_err(stats[:, 1], rstd64) < 1e-5, seed
+    if layernorm:
+        assert rel_err(stats[:, 0], mean64) < 1e-5, seed
