@@ -113,9 +113,9 @@ struct Choice {
 };
 
 // Tuning overrides (benchmark sweeps) win over the heuristics.
-Choice apply_tuning(Choice c, bool config_free) {
+Choice apply_tuning(Choice c) {
   Tuning t = current_tuning();
-  if (config_free && t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
+  if (t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
   return c;
@@ -151,21 +151,21 @@ Choice choose_linear(const LinearArgs& a) {
   c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
   c.raster = 1;
   c.swizzle = 8;
-  return apply_tuning(c, true);
+  return apply_tuning(c);
 }
 
 Choice choose_dgrad(const DgradArgs& a) {
   Choice c;  // cooperative: the only dgrad configuration built
   c.raster = a.n > a.k ? 2 : 1;
   c.swizzle = 8;
-  return apply_tuning(c, false);
+  return apply_tuning(c);
 }
 
 Choice choose_wgrad(const WgradArgs&) {
   Choice c;
   c.raster = 2;
   c.swizzle = 8;
-  return apply_tuning(c, false);  // one configuration
+  return apply_tuning(c);  // one configuration
 }
 
 // The GEMM each op runs, in CUTLASS's terms, for a run or a workspace query.
@@ -188,14 +188,74 @@ auto with_dtype(DType dtype, Fn&& fn) {
   return fn(std::integral_constant<DType, DType::kFloat16>{});
 }
 
-// Runs fn(dtype tag, config tag) for the run-time dtype and configuration.
+using kernels::Config;
+
+// fn(config tag) for the run-time config when it is one of Cs, else for Fallback.
+template <Config Fallback, class Fn>
+auto pick(Config, Fn&& fn) {
+  return fn(std::integral_constant<Config, Fallback>{});
+}
+template <Config Fallback, Config Head, Config... Tail, class Fn>
+auto pick(Config config, Fn&& fn) {
+  if (config == Head) return fn(std::integral_constant<Config, Head>{});
+  return pick<Fallback, Tail...>(config, fn);
+}
+
+#ifdef CODA_SWEEP_CONFIGS
+constexpr bool kSweepBuild = true;
+#else
+constexpr bool kSweepBuild = false;
+#endif
+
+// The configurations each op's kernels are built in (the sweep candidates
+// are bf16 only; CMakeLists.txt lists them). Keep kernel_configs in step.
 template <class Fn>
-auto with_kernel(DType dtype, kernels::Config config, Fn&& fn) {
-  using C = kernels::Config;
+auto with_linear_kernel(DType dtype, Config config, Fn&& fn) {
   return with_dtype(dtype, [&](auto dt) {
-    if (config == C::kPingpong128x128) return fn(dt, std::integral_constant<C, C::kPingpong128x128>{});
-    return fn(dt, std::integral_constant<C, C::kCooperative128x256>{});
+    auto call = [&](auto cfg) { return fn(dt, cfg); };
+    if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
+      return pick<Config::kCooperative128x256, Config::kPingpong128x128, Config::kCooperativeStreamK128x256,
+                  Config::kCooperative128x256Cluster1, Config::kCooperative256x128,
+                  Config::kPingpong128x128Cluster2x1>(config, call);
+    } else {
+      return pick<Config::kCooperative128x256, Config::kPingpong128x128>(config, call);
+    }
   });
+}
+
+template <class Fn>
+auto with_dgrad_kernel(DType dtype, Config config, Fn&& fn) {
+  return with_dtype(dtype, [&](auto dt) {
+    auto call = [&](auto cfg) { return fn(dt, cfg); };
+    if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
+      return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256, Config::kCooperative128x256Cluster1,
+                  Config::kCooperative256x128, Config::kPingpong128x128Cluster2x1>(config, call);
+    } else {
+      return pick<Config::kCooperative128x256>(config, call);
+    }
+  });
+}
+
+template <class Fn>
+auto with_wgrad_kernel(DType dtype, Config config, Fn&& fn) {
+  return with_dtype(dtype, [&](auto dt) {
+    auto call = [&](auto cfg) { return fn(dt, cfg); };
+    if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
+      return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256, Config::kCooperative128x256Cluster1,
+                  Config::kCooperative256x128>(config, call);
+    } else {
+      return pick<Config::kCooperative128x256>(config, call);
+    }
+  });
+}
+
+template <class Fn>
+auto with_residual_kernel(Config config, Fn&& fn) {
+  if constexpr (kSweepBuild) {
+    return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256>(config, fn);
+  } else {
+    return pick<Config::kCooperative128x256>(config, fn);
+  }
 }
 
 // The norm-folding kernels are built for bf16 only.
@@ -261,8 +321,23 @@ void set_tuning(const Tuning& tuning) {
 Tuning get_tuning() { return current_tuning(); }
 
 const char* kernel_configs(const char* op) {
-  if (op != nullptr && std::strcmp(op, "linear") == 0) return "cooperative_128x256_2x1,pingpong_128x128_1x2";
-  return "cooperative_128x256_2x1";
+  // "value:name" of each configuration built for the op's bf16 kernels, in
+  // step with the with_*_kernel dispatchers above.
+  const std::string o = op != nullptr ? op : "";
+  if (kSweepBuild) {
+    if (o == "linear") {
+      return "0:cooperative_128x256_2x1,1:pingpong_128x128_1x2,2:cooperative_streamk_128x256_2x1,"
+             "3:cooperative_128x256_1x1,4:cooperative_256x128_1x2,5:pingpong_128x128_2x1";
+    }
+    if (o == "dgrad") {
+      return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1,3:cooperative_128x256_1x1,"
+             "4:cooperative_256x128_1x2,5:pingpong_128x128_2x1";
+    }
+    if (o == "wgrad") return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1,3:cooperative_128x256_1x1,4:cooperative_256x128_1x2";
+    if (o == "linear_residual") return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1";
+  }
+  if (o == "linear" || o == "norm_linear") return "0:cooperative_128x256_2x1,1:pingpong_128x128_1x2";
+  return "0:cooperative_128x256_2x1";
 }
 
 Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -286,15 +361,15 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   e.activation = static_cast<int>(a.activation);
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
-  return with_kernel(dtype, choice.config,
-                     [&](auto dt, auto cfg) { return kernels::linear_act<dt.value, cfg.value>(p, e); });
+  return with_linear_kernel(dtype, choice.config,
+                            [&](auto dt, auto cfg) { return kernels::linear_act<dt.value, cfg.value>(p, e); });
 }
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
   Choice choice = choose_linear(a);
   auto p = linear_problem(a, choice, nullptr, 0, nullptr);
-  return with_kernel(dtype, choice.config,
-                     [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
+  return with_linear_kernel(dtype, choice.config,
+                            [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
 }
 
 Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -330,19 +405,18 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
-  return with_dtype(dtype, [&](auto dt) {
-    return kernels::dact_dbias<dt.value, kernels::Config::kCooperative128x256>(p, e);
-  });
+  return with_dgrad_kernel(dtype, choice.config,
+                           [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
 }
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
-  auto p = dgrad_problem(a, choose_dgrad(a), nullptr, 0, nullptr);
+  Choice choice = choose_dgrad(a);
+  auto p = dgrad_problem(a, choice, nullptr, 0, nullptr);
   if (a.norm_c1 != nullptr) {
     return kernels::dact_rowdot_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
   }
-  return with_dtype(dtype, [&](auto dt) {
-    return kernels::dact_dbias_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
-  });
+  return with_dgrad_kernel(dtype, choice.config,
+                           [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });
 }
 
 Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -357,17 +431,17 @@ Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_
     if (e != cudaSuccess) return detail::fail(Status::kCudaError, cudaGetErrorString(e));
     return Status::kSuccess;
   }
-  auto p = wgrad_problem(a, choose_wgrad(a), workspace, workspace_bytes, stream);
-  return with_dtype(dtype, [&](auto dt) {
-    return kernels::wgrad_store<dt.value, kernels::Config::kCooperative128x256>(p);
-  });
+  Choice choice = choose_wgrad(a);
+  auto p = wgrad_problem(a, choice, workspace, workspace_bytes, stream);
+  return with_wgrad_kernel(dtype, choice.config,
+                           [&](auto dt, auto cfg) { return kernels::wgrad_store<dt.value, cfg.value>(p); });
 }
 
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
-  auto p = wgrad_problem(a, choose_wgrad(a), nullptr, 0, nullptr);
-  return with_dtype(dtype, [&](auto dt) {
-    return kernels::wgrad_store_workspace<dt.value, kernels::Config::kCooperative128x256>(p);
-  });
+  Choice choice = choose_wgrad(a);
+  auto p = wgrad_problem(a, choice, nullptr, 0, nullptr);
+  return with_wgrad_kernel(dtype, choice.config,
+                           [&](auto dt, auto cfg) { return kernels::wgrad_store_workspace<dt.value, cfg.value>(p); });
 }
 
 // ---- norms folded into GEMMs
@@ -451,7 +525,7 @@ Choice choose_residual(const LinearResidualArgs&) {
   Choice c;  // cooperative: the only configuration built
   c.raster = 1;
   c.swizzle = 8;
-  return apply_tuning(c, false);
+  return apply_tuning(c);
 }
 
 }  // namespace
@@ -523,15 +597,19 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "linear_residual"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  auto p = residual_problem(a, choose_residual(a), workspace, workspace_bytes, stream);
-  return kernels::linear_residual_stats<DType::kBFloat16, kernels::Config::kCooperative128x256>(
-      p, residual_stats_epilogue(a));
+  Choice choice = choose_residual(a);
+  auto p = residual_problem(a, choice, workspace, workspace_bytes, stream);
+  return with_residual_kernel(choice.config, [&](auto cfg) {
+    return kernels::linear_residual_stats<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
+  });
 }
 
 size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
-  auto p = residual_problem(a, choose_residual(a), nullptr, 0, nullptr);
-  return kernels::linear_residual_stats_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(
-      p, residual_stats_epilogue(a));
+  Choice choice = choose_residual(a);
+  auto p = residual_problem(a, choice, nullptr, 0, nullptr);
+  return with_residual_kernel(choice.config, [&](auto cfg) {
+    return kernels::linear_residual_stats_workspace<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
+  });
 }
 
 Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream) {

@@ -32,21 +32,45 @@ struct ElementOf<DType::kFloat16> { using type = cutlass::half_t; };
 template <Config C>
 struct TileConfig;
 
-template <>
-struct TileConfig<Config::kCooperative128x256> {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+template <class Tile, class Cluster, class Scheduler = void>
+struct CooperativeTile {
+  using TileShape = Tile;
+  using ClusterShape = Cluster;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
 };
 
-template <>
-struct TileConfig<Config::kPingpong128x128> {
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+template <class Tile, class Cluster>
+struct PingpongTile {
+  using TileShape = Tile;
+  using ClusterShape = Cluster;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
+  using TileScheduler = void;
 };
+
+using cute::_1;
+using cute::_2;
+using cute::_64;
+using cute::_128;
+using cute::_256;
+
+template <>
+struct TileConfig<Config::kCooperative128x256> : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileConfig<Config::kPingpong128x128> : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kCooperativeStreamK128x256>
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, cutlass::gemm::StreamKScheduler> {};
+template <>
+struct TileConfig<Config::kCooperative128x256Cluster1>
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_1, _1, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative256x128> : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kPingpong128x128Cluster2x1>
+    : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_2, _1, _1>> {};
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.
@@ -123,7 +147,7 @@ struct Gemm {
       typename Tile::KernelSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
+                                                      CollectiveEpilogue, typename Tile::TileScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   using StrideA = typename Kernel::StrideA;

@@ -272,3 +272,18 @@ Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e) {
 }
 
 }  // namespace coda::kernels
+
+// One instantiation of an op's kernel and its workspace query, for the .cu
+// files that a sweep build generates (CMakeLists.txt, CODA_SWEEP_CONFIGS).
+#define CODA_INSTANTIATE_linear_act(T, C)                                                  \
+  template Status linear_act<T, C>(const GemmProblem&, const LinearActEpilogue&); \
+  template size_t linear_act_workspace<T, C>(const GemmProblem&);
+#define CODA_INSTANTIATE_dact_dbias(T, C)                                                  \
+  template Status dact_dbias<T, C>(const GemmProblem&, const DActDBiasEpilogue&); \
+  template size_t dact_dbias_workspace<T, C>(const GemmProblem&);
+#define CODA_INSTANTIATE_wgrad_store(T, C)                    \
+  template Status wgrad_store<T, C>(const GemmProblem&); \
+  template size_t wgrad_store_workspace<T, C>(const GemmProblem&);
+#define CODA_INSTANTIATE_linear_residual_stats(T, C)                                                     \
+  template Status linear_residual_stats<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&); \
+  template size_t linear_residual_stats_workspace<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&);

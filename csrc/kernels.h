@@ -16,6 +16,12 @@ namespace coda::kernels {
 enum class Config : int {
   kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
+  // Candidates that only a sweep build holds (-DCODA_SWEEP_CONFIGS=ON), for
+  // the measurements that decide which configurations the library ships.
+  kCooperativeStreamK128x256 = 2,  // as 0, with CUTLASS's stream-K scheduler (heuristic decomposition)
+  kCooperative128x256Cluster1 = 3,  // as 0, 1x1 cluster
+  kCooperative256x128 = 4,          // 256x128x64 tile, 1x2 cluster, cooperative
+  kPingpong128x128Cluster2x1 = 5,   // as 1, 2x1 cluster
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.

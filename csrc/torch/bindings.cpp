@@ -416,6 +416,8 @@ void set_tuning(int64_t config, int64_t raster, int64_t swizzle) {
   coda::set_tuning(t);
 }
 
+std::string kernel_configs(const std::string& op) { return coda::kernel_configs(op.c_str()); }
+
 }  // namespace
 
 TORCH_LIBRARY(coda, m) {
@@ -440,6 +442,7 @@ TORCH_LIBRARY(coda, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("device_supported(int device) -> bool", &device_supported);
   m.def("set_tuning(int config, int raster, int swizzle) -> ()", &set_tuning);
+  m.def("kernel_configs(str op) -> str", &kernel_configs);
 }
 
 TORCH_LIBRARY_IMPL(coda, CUDA, m) {

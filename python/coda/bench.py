@@ -359,48 +359,76 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
             torch.ops.coda.set_tuning(-1, -1, -1)
 
 
-def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(1, 2, 4, 8)) -> None:
-    """Every kernel configuration, raster order and swizzle on the MLP's GEMMs."""
+def _configs(op: str) -> List[int]:
+    """The configuration values an op is built in (a sweep build has more)."""
+    return [int(item.split(":")[0]) for item in torch.ops.coda.kernel_configs(op).split(",")]
+
+
+def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8,), rasters=(1, 2),
+              after_case: Optional[Callable[[], None]] = None) -> None:
+    """Every configuration built, raster order and swizzle on the MLP's and o-proj's GEMMs.
+
+    Each configuration's output is first compared with the default one's, so
+    that a candidate which computes something else is reported, not timed.
+    """
     torch.manual_seed(0)
-    x, w1, b1 = torch.randn(m, d, device="cuda", dtype=dtype), torch.randn(f, d, device="cuda", dtype=dtype), \
-        torch.randn(f, device="cuda", dtype=dtype)
-    a1, w2, b2 = torch.randn(m, f, device="cuda", dtype=dtype), torch.randn(d, f, device="cuda", dtype=dtype), \
-        torch.randn(d, device="cuda", dtype=dtype)
-    dy = torch.randn(m, d, device="cuda", dtype=dtype)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+    x, w1, b1 = rand(m, d), rand(f, d, scale=d**-0.5), rand(f)
+    a1, w2, b2 = rand(m, f), rand(d, f, scale=f**-0.5), rand(d)
+    dy, res, w_o = rand(m, d), rand(m, d), rand(d, d, scale=d**-0.5)
+    lin, dgr, wgr, resid = _configs("linear"), _configs("dgrad"), _configs("wgrad"), _configs("linear_residual")
+    fl = 2.0 * m * d * f
     gemms = {
-        # name: (flops, {config: fn})
-        f"fc1_fwd_save_h_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, True)),
-        f"fc1_fwd_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, False)),
-        f"fc2_fwd_residual_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_linear(a1, w2, b2, dy, 0, False)),
-        f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, True)),
-        f"fc2_dgrad_dgelu_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, False)),
-        f"fc2_dgrad_dbias_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True)),
-        f"fc2_dgrad_{m}x{d}x{f}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False)),
-        f"fc1_dgrad_{m}x{f}x{d}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_dgrad(a1, w1, None, 0, False)),
-        f"wgrad_{d}x{f}x{m}": (2.0 * m * d * f, lambda: torch.ops.coda.gemm_wgrad(dy, a1)),
+        # name: (flops, configs, coda, cuBLAS alone)
+        f"fc1_fwd_save_h_{m}x{d}x{f}": (fl, lin, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, True),
+                                        lambda: torch.matmul(x, w1.t())),
+        f"fc1_fwd_{m}x{d}x{f}": (fl, lin, lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 1, False),
+                                 lambda: torch.matmul(x, w1.t())),
+        f"fc2_fwd_residual_{m}x{f}x{d}": (fl, lin, lambda: torch.ops.coda.gemm_linear(a1, w2, b2, dy, 0, False),
+                                          lambda: torch.matmul(a1, w2.t())),
+        f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": (fl, dgr, lambda: torch.ops.coda.gemm_dgrad(dy, w2, a1, 1, True),
+                                               lambda: torch.matmul(dy, w2)),
+        f"fc2_dgrad_{m}x{d}x{f}": (fl, dgr, lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
+                                   lambda: torch.matmul(dy, w2)),
+        f"fc1_dgrad_{m}x{f}x{d}": (fl, dgr, lambda: torch.ops.coda.gemm_dgrad(a1, w1, None, 0, False),
+                                   lambda: torch.matmul(a1, w1)),
+        f"fc2_wgrad_{d}x{f}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(dy, a1), lambda: torch.matmul(dy.t(), a1)),
+        f"fc1_wgrad_{f}x{d}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(a1, x), lambda: torch.matmul(a1.t(), x)),
+        f"oproj_residual_stats_{m}x{d}x{d}": (
+            2.0 * m * d * d, resid, lambda: torch.ops.coda.gemm_linear_residual(x, w_o, b2, res, True, 1e-5),
+            lambda: torch.matmul(x, w_o.t())),
     }
-    cublas = {
-        f"fc1_fwd_save_h_{m}x{d}x{f}": lambda: torch.matmul(x, w1.t()),
-        f"fc1_fwd_{m}x{d}x{f}": lambda: torch.matmul(x, w1.t()),
-        f"fc2_fwd_residual_{m}x{f}x{d}": lambda: torch.matmul(a1, w2.t()),
-        f"fc2_dgrad_dgelu_dbias_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
-        f"fc2_dgrad_dgelu_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
-        f"fc2_dgrad_dbias_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
-        f"fc2_dgrad_{m}x{d}x{f}": lambda: torch.matmul(dy, w2),
-        f"fc1_dgrad_{m}x{f}x{d}": lambda: torch.matmul(a1, w1),
-        f"wgrad_{d}x{f}x{m}": lambda: torch.matmul(dy.t(), a1),
-    }
-    for name, (fl, fn) in gemms.items():
-        r.time(name, "cublas", cublas[name], fl)
-        configs = [0, 1] if "_fwd" in name else [0]  # dgrad and wgrad: one configuration
+
+    def first(out):
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    for name, (flops, configs, fn, cublas) in gemms.items():
+        r.time(name, "cublas", cublas, flops)
+        torch.ops.coda.set_tuning(-1, -1, -1)
+        ref = first(fn()).float()
         for config in configs:
-            for raster in (1, 2):
+            torch.ops.coda.set_tuning(config, -1, -1)
+            try:
+                diff = (first(fn()).float() - ref).norm().item() / ref.norm().item()
+            except RuntimeError as e:
+                diff = float("nan")
+                print(f"  {name:<28} c{config}: {str(e).splitlines()[0][:160]}")
+            if not diff < 1e-2:  # NaN too
+                print(f"  {name:<28} c{config}: output differs from the default configuration's by {diff:.3g}; not timed")
+                r.results.append({"case": name, "impl": f"coda[c{config}]", "error": f"relative difference {diff:.3g}"})
+                continue
+            for raster in rasters:
                 for swizzle in swizzles:
                     torch.ops.coda.set_tuning(config, raster, swizzle)
-                    r.time(name, f"coda[c{config},r{raster},s{swizzle}]", fn, fl,
-                           config=config, raster=raster, swizzle=swizzle)
+                    r.time(name, f"coda[c{config},r{raster},s{swizzle}]", fn, flops,
+                           config=config, raster=raster, swizzle=swizzle, rel_diff_to_default=diff)
         torch.ops.coda.set_tuning(-1, -1, -1)
-        r.time(name, "coda[auto]", fn, fl)
+        r.time(name, "coda[auto]", fn, flops)
+        if after_case is not None:
+            after_case()  # a hang in a later case (the machine's limit) keeps what was measured
 
 
 def summarize(results: List[Dict]) -> None:
@@ -422,7 +450,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
     p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
     p.add_argument("--only", choices=["mlp", "norm"], help="run only the MLP cases or only the norm cases")
-    p.add_argument("--swizzles", default="1,2,4,8", help="swizzle sizes the sweep tries")
+    p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
@@ -452,11 +480,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             run_norm_mlp_case(r, m, d, f, dtype, device)
             if gpu:
                 run_norm_breakdown(r, m, d, f, dtype)
-    if gpu and (args.sweep or args.only_sweep):
-        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")))
-    summarize(r.results)
-
-    if args.out:
+    def write() -> None:
+        if not args.out:
+            return
         os.makedirs(args.out, exist_ok=True)
         date = datetime.datetime.now(datetime.timezone.utc)
         slug = device_name.lower().replace("nvidia ", "").replace(" ", "-")
@@ -475,6 +501,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(path, "w") as fh:
             json.dump(doc, fh, indent=1)
         print(f"wrote {path}")
+
+    if gpu and (args.sweep or args.only_sweep):
+        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")), after_case=write)
+    summarize(r.results)
+    write()
     return 0
 
 

@@ -230,7 +230,8 @@ size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
 bool device_supported(int device);
 
 // Kernel choice, for tuning sweeps. -1 leaves a field to coda's heuristic.
-// config: index into the kernel configurations of an op (see kernel_configs);
+// config: a configuration's value as kernel_configs lists it (an op not built
+// in that configuration runs its default);
 // raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8.
 struct Tuning {
   int config = -1;
@@ -239,7 +240,8 @@ struct Tuning {
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
-// Names of the configurations an op ("linear", "dgrad", "wgrad") can pick.
+// The configurations an op ("linear", "norm_linear", "dgrad", "wgrad",
+// "linear_residual", ...) is built in, as "value:name,value:name".
 const char* kernel_configs(const char* op);
 
 }  // namespace coda
