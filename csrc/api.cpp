@@ -612,7 +612,8 @@ size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
   });
 }
 
-Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream) {
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, a.activation));
   if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "norm_row_dots: sizes must be positive");
   CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.n, true));
@@ -621,9 +622,23 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream)
   if (a.c1 == nullptr) return detail::fail(Status::kInvalidArgument, "c1 is null");
   CODA_RETURN_IF_ERROR(check_vector("shift", a.shift, false));
   CODA_RETURN_IF_ERROR(check_vector("col_sum", a.col_sum, false));
+  if (a.c2 != nullptr && a.col_sum == nullptr) return detail::fail(Status::kInvalidArgument, "c2 needs col_sum");
   CODA_RETURN_IF_ERROR(check_device());
-  return kernels::norm_row_dots(dtype, a, stream);
+  const size_t need = kernels::norm_row_dots_scratch_bytes(a);
+  if (workspace_bytes >= need) return kernels::norm_row_dots(dtype, a, workspace, stream);
+  if (workspace != nullptr) {
+    return detail::fail(Status::kWorkspaceTooSmall,
+                        "workspace has " + std::to_string(workspace_bytes) + " bytes, needs " + std::to_string(need));
+  }
+  void* owned = nullptr;
+  cudaError_t e = cudaMallocAsync(&owned, need, stream);
+  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaMallocAsync: ") + cudaGetErrorString(e));
+  Status s = kernels::norm_row_dots(dtype, a, owned, stream);
+  cudaFreeAsync(owned, stream);
+  return s;
 }
+
+size_t norm_row_dots_workspace_size(DType, const NormRowDotsArgs& a) { return kernels::norm_row_dots_scratch_bytes(a); }
 
 Status norm_dgrad(DType dtype, const NormDgradArgs& a, void* workspace, size_t workspace_bytes,
                   cudaStream_t stream) {

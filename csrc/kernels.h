@@ -128,7 +128,9 @@ Status row_partials_stats(const float* sum, const float* sumsq, int64_t tiles, i
 // (arguments already checked).
 Status fold_norm_weight(DType dtype, const FoldNormWeightArgs& a, cudaStream_t stream);
 Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream);
-Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream);
+// norm_row_dots runs on `scratch` of norm_row_dots_scratch_bytes(a) bytes.
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaStream_t stream);
+size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
 
 // A (M, K) row-major · B given as (N, K) row-major: the forward, Y = X·Wᵀ.
 template <DType T, Config C>

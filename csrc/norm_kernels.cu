@@ -158,41 +158,74 @@ __device__ void load8(const float* __restrict__ p, float (&v)[8]) {
   v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// One block per row of a lone norm-linear's backward: dP = dY ⊙ act'(H)
-// (written when the activation is not identity), c₁ = scale·Σ_n dP ⊙ (H − t),
-// c₂ = scale·Σ_n dP ⊙ s. With identity, H is the output Y itself.
+// The backward of a lone norm-linear, whose output gradient comes from
+// outside: dP = dY ⊙ act'(H) (written when the activation is not identity),
+// and per-(column chunk, row) partials of c₁ = scale·Σ_n dP ⊙ (H − t) and
+// c₂ = scale·Σ_n dP ⊙ s, and, when dbias is wanted, per-(row strip, column)
+// partials of Σ_m dP: one read of dY and H for all three.
+//
+// A block covers kDotsRows rows × kDotsCols columns: a warp owns every 8th
+// row and a lane 8 columns, so row sums are warp shuffles and column sums a
+// pass over shared memory at the end. With identity, H is the output Y itself.
+constexpr int kDotsCols = 32 * 8;
+constexpr int kDotsRows = 128;
+constexpr int kDotsWarps = kThreads / 32;
+
 template <class T, epilogues::ActivationKind K>
 __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
-                                     int64_t n, const float* __restrict__ shift, const float* __restrict__ col_sum,
-                                     float scale, T* __restrict__ dp, int64_t lddp, float* __restrict__ c1,
-                                     float* __restrict__ c2) {
-  __shared__ float shared[kThreads / 32];
-  const int64_t r = blockIdx.x;
-  float a1 = 0.f, a2 = 0.f;
-  for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
-    Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
-    Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
-    float tv[8] = {}, sv[8] = {};
-    if (shift != nullptr) load8(shift + j, tv);
-    if (col_sum != nullptr) load8(col_sum + j, sv);
-    Vec8<T> out;
+                                     int64_t m, int64_t n, const float* __restrict__ shift,
+                                     const float* __restrict__ col_sum, T* __restrict__ dp, int64_t lddp,
+                                     float* __restrict__ c1_partials, float* __restrict__ c2_partials,
+                                     float* __restrict__ dbias_partials) {
+  __shared__ float columns[kDotsWarps][kDotsCols];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t j = int64_t(blockIdx.x) * kDotsCols + lane * 8;
+  const int64_t row0 = int64_t(blockIdx.y) * kDotsRows;
+  const bool in_cols = j < n;  // n is a multiple of 8
+  float tv[8] = {}, sv[8] = {}, db[8] = {};
+  if (in_cols && shift != nullptr) load8(shift + j, tv);
+  if (in_cols && c2_partials != nullptr) load8(col_sum + j, sv);
+#pragma unroll 4
+  for (int i = 0; i < kDotsRows / kDotsWarps; ++i) {
+    const int64_t r = row0 + warp + int64_t(i) * kDotsWarps;
+    if (r >= m) break;  // warp-uniform
+    float a1 = 0.f, a2 = 0.f;
+    if (in_cols) {
+      Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
+      Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+      Vec8<T> out;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float hf = to_float(hv.v[i]);
-      const float d = to_float(g.v[i]) * epilogues::detail::act_grad<K>(hf);
-      out.v[i] = from_float<T>(d);
-      // The GEMMs downstream read the rounded dP; reduce what they read.
-      const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[i]);
-      a1 += dr * (hf - tv[i]);
-      a2 += dr * sv[i];
+      for (int e = 0; e < 8; ++e) {
+        const float hf = to_float(hv.v[e]);
+        const float d = to_float(g.v[e]) * epilogues::detail::act_grad<K>(hf);
+        out.v[e] = from_float<T>(d);
+        // The GEMMs downstream read the rounded dP; reduce what they read.
+        const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
+        a1 += dr * (hf - tv[e]);
+        a2 += dr * sv[e];
+        db[e] += dr;
+      }
+      if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
     }
-    if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+    for (int o = 16; o > 0; o >>= 1) {
+      a1 += __shfl_xor_sync(0xffffffff, a1, o);
+      a2 += __shfl_xor_sync(0xffffffff, a2, o);
+    }
+    if (lane == 0) {
+      c1_partials[int64_t(blockIdx.x) * m + r] = a1;
+      if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
+    }
   }
-  a1 = block_sum(a1, shared);
-  a2 = block_sum(a2, shared);
-  if (threadIdx.x == 0) {
-    c1[r] = scale * a1;
-    if (c2 != nullptr) c2[r] = scale * a2;
+  if (dbias_partials == nullptr) return;  // block-uniform
+#pragma unroll
+  for (int e = 0; e < 8; ++e) columns[warp][lane * 8 + e] = db[e];
+  __syncthreads();
+  const int64_t col = int64_t(blockIdx.x) * kDotsCols + threadIdx.x;
+  if (col < n) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDotsWarps; ++w) sum += columns[w][threadIdx.x];
+    dbias_partials[int64_t(blockIdx.y) * n + col] = sum;
   }
 }
 
@@ -240,14 +273,46 @@ Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream) {
   });
 }
 
-Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream) {
-  if (a.m == 0) return Status::kSuccess;
-  return with_type(dtype, [&](auto tag) {
+namespace {
+struct RowDotsScratch {
+  int64_t chunks, strips;
+  size_t c1_bytes, c2_bytes, dbias_bytes;
+  size_t total() const { return c1_bytes + c2_bytes + dbias_bytes; }
+};
+
+size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+RowDotsScratch row_dots_scratch(const NormRowDotsArgs& a) {
+  RowDotsScratch s;
+  s.chunks = (a.n + kDotsCols - 1) / kDotsCols;
+  s.strips = (a.m + kDotsRows - 1) / kDotsRows;
+  s.c1_bytes = align256(sizeof(float) * s.chunks * a.m);
+  s.c2_bytes = a.c2 != nullptr ? s.c1_bytes : 0;
+  s.dbias_bytes = a.dbias != nullptr ? align256(sizeof(float) * s.strips * a.n) : 0;
+  return s;
+}
+}  // namespace
+
+size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a) { return row_dots_scratch(a).total(); }
+
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaStream_t stream) {
+  if (a.m == 0) {
+    if (a.dbias == nullptr) return Status::kSuccess;
+    cudaError_t e = cudaMemsetAsync(a.dbias, 0, a.n * 2, stream);
+    return e == cudaSuccess ? Status::kSuccess : detail::fail(Status::kCudaError, cudaGetErrorString(e));
+  }
+  const RowDotsScratch s = row_dots_scratch(a);
+  char* base = static_cast<char*>(scratch);
+  float* c1p = reinterpret_cast<float*>(base);
+  float* c2p = a.c2 != nullptr ? reinterpret_cast<float*>(base + s.c1_bytes) : nullptr;
+  float* dbp = a.dbias != nullptr ? reinterpret_cast<float*>(base + s.c1_bytes + s.c2_bytes) : nullptr;
+  Status st = with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto k) {
-      norm_row_dots_kernel<T, decltype(k)::value><<<static_cast<unsigned>(a.m), kThreads, 0, stream>>>(
-          static_cast<const T*>(a.dy), a.lddy, static_cast<const T*>(a.pre_act), a.ld_pre_act, a.n, a.shift,
-          a.col_sum, a.scale, static_cast<T*>(a.dp), a.lddp, a.c1, a.c2);
+      dim3 grid(static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.strips));
+      norm_row_dots_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(
+          static_cast<const T*>(a.dy), a.lddy, static_cast<const T*>(a.pre_act), a.ld_pre_act, a.m, a.n, a.shift,
+          a.col_sum, static_cast<T*>(a.dp), a.lddp, c1p, c2p, dbp);
       return launched("norm_row_dots");
     };
     using K = epilogues::ActivationKind;
@@ -259,6 +324,10 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, cudaStream_t stream)
       default: return launch(std::integral_constant<K, K::kIdentity>{});
     }
   });
+  if (st == Status::kSuccess) st = row_partials_sum(c1p, s.chunks, a.m, a.m, a.scale, a.c1, stream);
+  if (st == Status::kSuccess && c2p != nullptr) st = row_partials_sum(c2p, s.chunks, a.m, a.m, a.scale, a.c2, stream);
+  if (st == Status::kSuccess && dbp != nullptr) st = column_sum(dtype, dbp, s.strips, a.n, a.n, a.dbias, stream);
+  return st;
 }
 
 }  // namespace coda::kernels

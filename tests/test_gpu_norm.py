@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import coda
-from coda import reference
+from coda import _activations, reference
 from helpers import poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import check_against_torch, rand
 
@@ -199,7 +199,7 @@ def test_norm_opcheck_on_gpu():
     torch.library.opcheck(torch.ops.coda.gemm_norm_linear.default, (xd, w, mean, rstd, s, t, 1, True))
     torch.library.opcheck(torch.ops.coda.gemm_linear_residual.default, (xd, w, bias, r, True, 1e-5))
     h = rand(m, n, dtype=BF16)
-    torch.library.opcheck(torch.ops.coda.norm_row_dots.default, (r, h, 1, t, s, 1.0 / d))
+    torch.library.opcheck(torch.ops.coda.norm_row_dots.default, (r, h, 1, t, s, 1.0 / d, True))
     c1, c2 = mean.clone(), rstd.clone()
     torch.library.opcheck(torch.ops.coda.gemm_norm_dgrad.default,
                           (r, w, xd, mean, rstd, g, b, c1, c2, xd, True, True))
@@ -225,6 +225,30 @@ def test_norm_dgrad_epilogue_alone(seed):
     assert rel_err(nhat, xhat * g.double() + b.double()) < bf16_rounding, seed
     assert rel_err(dg, (acc * xhat).sum(0)) < bf16_rounding, seed
     assert rel_err(db, acc.sum(0)) < bf16_rounding, seed
+
+
+@pytest.mark.parametrize("m,n", [(1000, 3000), (1, 8), (4096, 12288)])
+@pytest.mark.parametrize("activation", [0, 1])
+def test_row_dots_pass_alone(m, n, activation, seed):
+    # dP, c1, c2 and the bias gradient of a lone norm-linear's backward, in one
+    # pass: tiles of 128 rows x 256 columns, so the shapes leave partial ones.
+    dy, h = rand(m, n, dtype=BF16), rand(m, n, dtype=BF16)
+    t, s = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    scale = 1.0 / 777
+    poison_cuda_allocator(4 * m * n * 2)
+    dp, c1, c2, db = torch.ops.coda.norm_row_dots(dy, h, activation, t, s, scale, True)
+    if activation == 0:
+        want_dp = dy.double()
+        assert dp.numel() == 0
+    else:
+        want_dp = dy.double() * _activations.grad(h.double(), _activations.GELU_TANH)
+        assert rel_err(dp, want_dp) < 2.0**-8, seed
+        want_dp = dp.double()  # the reductions are taken of the rounded dP the GEMMs read
+    assert rel_err(c1, scale * (want_dp * (h.double() - t.double())).sum(1)) < 1e-5, seed
+    assert rel_err(c2, scale * (want_dp * s.double()).sum(1)) < 1e-5, seed
+    assert rel_err(db, want_dp.sum(0)) < 2.0**-8, seed
+    _, c1_only, c2_none, db_none = torch.ops.coda.norm_row_dots(dy, h, activation, t, None, scale, False)
+    assert torch.equal(c1_only, c1) and c2_none.numel() == 0 and db_none.numel() == 0
 
 
 def test_fold_cache_sees_weight_updates(seed):

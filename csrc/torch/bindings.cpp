@@ -317,10 +317,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gemm_dgrad_rowdot(
 }
 
 // A lone norm-linear's backward epilogue: (dp or empty with identity, c1, c2 or empty).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_row_dots(const at::Tensor& dy, const at::Tensor& pre_act,
-                                                             int64_t activation,
-                                                             const std::optional<at::Tensor>& shift,
-                                                             const std::optional<at::Tensor>& col_sum, double scale) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_row_dots(
+    const at::Tensor& dy, const at::Tensor& pre_act, int64_t activation, const std::optional<at::Tensor>& shift,
+    const std::optional<at::Tensor>& col_sum, double scale, bool compute_dbias) {
   check_matrix(dy, "dy", dy);
   check_matrix(pre_act, "pre_act", dy);
   TORCH_CHECK(pre_act.sizes() == dy.sizes(), "coda: pre_act must have shape ", dy.sizes(), ", got ", pre_act.sizes());
@@ -334,6 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_row_dots(const at::Tensor& d
   at::Tensor dp = write_dp ? at::empty({m, n}, dy.options()) : at::empty({0}, dy.options());
   at::Tensor c1 = f32(m, dy);
   at::Tensor c2 = with_c2 ? f32(m, dy) : at::empty({0}, dy.options().dtype(at::kFloat));
+  at::Tensor dbias = at::empty({compute_dbias ? n : 0}, dy.options());
   coda::NormRowDotsArgs a;
   a.m = m; a.n = n;
   a.dy = dy.data_ptr(); a.lddy = dy.stride(0);
@@ -346,8 +346,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_row_dots(const at::Tensor& d
   a.lddp = write_dp ? dp.stride(0) : 0;
   a.c1 = c1.data_ptr<float>();
   a.c2 = with_c2 ? c2.data_ptr<float>() : nullptr;
-  check_status(coda::norm_row_dots(dtype_of(dy, "dy"), a, c10::cuda::getCurrentCUDAStream()), "norm_row_dots");
-  return {dp, c1, c2};
+  a.dbias = compute_dbias ? dbias.data_ptr() : nullptr;
+  const coda::DType dt = dtype_of(dy, "dy");
+  at::Tensor ws = workspace(coda::norm_row_dots_workspace_size(dt, a), dy);
+  check_status(coda::norm_row_dots(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()),
+               "norm_row_dots");
+  return {dp, c1, c2, dbias};
 }
 
 // (dx, normalized N̂, dgamma, dbeta or empty) of a norm-GEMM's input.
@@ -435,8 +439,8 @@ TORCH_LIBRARY(coda, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("gemm_dgrad_rowdot(Tensor dy, Tensor weight, Tensor pre_act, int activation, bool compute_dbias,"
         " Tensor? shift, Tensor? col_sum, float scale) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("norm_row_dots(Tensor dy, Tensor pre_act, int activation, Tensor? shift, Tensor? col_sum, float scale)"
-        " -> (Tensor, Tensor, Tensor)");
+  m.def("norm_row_dots(Tensor dy, Tensor pre_act, int activation, Tensor? shift, Tensor? col_sum, float scale,"
+        " bool compute_dbias) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gemm_norm_dgrad(Tensor dp, Tensor weight, Tensor x, Tensor? mean, Tensor rstd, Tensor gamma, Tensor? beta,"
         " Tensor c1, Tensor? c2, Tensor? residual_grad, bool want_normalized, bool want_dgamma)"
         " -> (Tensor, Tensor, Tensor, Tensor)");

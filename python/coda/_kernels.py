@@ -134,11 +134,11 @@ if available():
             _f32(dy, m if with_c2 else 0)
 
     @torch.library.register_fake("coda::norm_row_dots")
-    def _(dy, pre_act, activation, shift, col_sum, scale):
-        m = dy.shape[0]
+    def _(dy, pre_act, activation, shift, col_sum, scale, compute_dbias):
+        m, n = dy.shape
         with_c2 = col_sum is not None and col_sum.numel() > 0
         return (dy.new_empty(dy.shape) if activation != 0 else dy.new_empty(0)), _f32(dy, m), \
-            _f32(dy, m if with_c2 else 0)
+            _f32(dy, m if with_c2 else 0), dy.new_empty(n if compute_dbias else 0)
 
     @torch.library.register_fake("coda::gemm_norm_dgrad")
     def _(dp, weight, x, mean, rstd, gamma, beta, c1, c2, residual_grad, want_normalized, want_dgamma):

@@ -330,7 +330,8 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
                                                                                  c2, None, True, False),
             "coda[norm_dgrad,+dres]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1, c2,
                                                                              x, True, True),
-            "coda[row_dots]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d),
+            "coda[row_dots]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d, False),
+            "coda[row_dots+dbias]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d, True),
             "coda[bias_grad]": lambda: dp.sum(0, dtype=torch.float32),
         }),
         f"qkv_wgrad_{n}x{d}x{m}": (fl, lambda: torch.matmul(dp.t(), x), {

@@ -396,17 +396,18 @@ def _norm_linear_backward(dy: Tensor, x: Tensor, norm_weight: Tensor, norm_bias:
                                               eps, activation, needs)
     dy, x = _kernels.rows(dy), _kernels.rows(x)
     d = x.shape[1]
-    # One pass over the rows: dP = dy ⊙ act'(H) and c₁, c₂ (no GEMM of a lone
-    # norm-linear has dP as its output, so no epilogue can take them).
-    dp, c1, c2 = torch.ops.coda.norm_row_dots(dy, pre_act, activation, shift, col_sum if layernorm else None, 1.0 / d)
+    # One pass over dy and H: dP = dy ⊙ act'(H), c₁, c₂ and the bias gradient
+    # (no GEMM of a lone norm-linear has dP as its output, so no epilogue can take them).
+    want_db = has_bias and need_db
+    dp, c1, c2, db = torch.ops.coda.norm_row_dots(dy, pre_act, activation, shift, col_sum if layernorm else None,
+                                                  1.0 / d, want_db)
     if activation == _activations.IDENTITY:
         dp = dy
     dx, nhat, dnw, dnb = torch.ops.coda.gemm_norm_dgrad(
         dp, weight.contiguous(), x, mean if layernorm else None, rstd, norm_weight.contiguous(), _contig(norm_bias),
         c1, c2 if layernorm else None, None, need_dw, need_dnw or need_dnb)
     dw = torch.ops.coda.gemm_wgrad(dp, nhat) if need_dw else _empty(dy)
-    db = reference.bias_grad(dp) if has_bias and need_db else _empty(dy)
-    return dx, dnw, dnb, dw, db
+    return dx, dnw, dnb, dw, db if want_db else _empty(dy)
 
 
 @_norm_linear_backward.register_fake

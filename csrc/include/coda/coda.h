@@ -155,8 +155,8 @@ struct LinearResidualArgs {
 };
 
 // The backward of a lone norm-GEMM's epilogue, one pass over its rows:
-// dP = dY ⊙ act'(H), c₁ = scale·Σ_n dP ⊙ (H − t), c₂ = scale·Σ_n dP ⊙ s.
-// (Inside coda's MLP the fc2 dgrad epilogue does this; see DgradArgs.)
+// dP = dY ⊙ act'(H), c₁ = scale·Σ_n dP ⊙ (H − t), c₂ = scale·Σ_n dP ⊙ s and,
+// optionally, the bias gradient Σ_m dP. (Inside coda's MLP the fc2 dgrad epilogue does this; see DgradArgs.)
 struct NormRowDotsArgs {
   int64_t m = 0, n = 0;              // tokens, out features of the norm-GEMM
   const void* dy = nullptr;          // (m, n)
@@ -171,6 +171,7 @@ struct NormRowDotsArgs {
   int64_t lddp = 0;
   float* c1 = nullptr;               // (m) out
   float* c2 = nullptr;               // (m) out, or null
+  void* dbias = nullptr;             // (n) out Σ_m dP, or null: the norm-linear's bias gradient in the same read
 };
 
 // dX = rstd ⊙ (γ ⊙ (dP·W) − x̂ ⊙ c₁ − c₂) + dR, x̂ = (X − mean) ⊙ rstd, with
@@ -215,7 +216,8 @@ Status norm_linear(DType dtype, const NormLinearArgs& args, void* workspace, siz
                    cudaStream_t stream);
 Status linear_residual(DType dtype, const LinearResidualArgs& args, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
-Status norm_row_dots(DType dtype, const NormRowDotsArgs& args, cudaStream_t stream);
+Status norm_row_dots(DType dtype, const NormRowDotsArgs& args, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream);
 Status norm_dgrad(DType dtype, const NormDgradArgs& args, void* workspace, size_t workspace_bytes,
                   cudaStream_t stream);
 
@@ -223,6 +225,7 @@ size_t linear_workspace_size(DType dtype, const LinearArgs& args);
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);
 size_t linear_residual_workspace_size(DType dtype, const LinearResidualArgs& args);
 size_t norm_dgrad_workspace_size(DType dtype, const NormDgradArgs& args);
+size_t norm_row_dots_workspace_size(DType dtype, const NormRowDotsArgs& args);
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& args);
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
 
