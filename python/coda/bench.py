@@ -95,6 +95,30 @@ class Runner:
         print(f"  {case:<28} {impl:<10} {t['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
         return row
 
+    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float, rounds: int = 3) -> None:
+        """The impls timed in turn, `rounds` times over: the GPU's clock drifts
+        with its temperature and power over a run, by up to 2% between two
+        timings of one kernel here, and alternating spreads that over all impls
+        alike. Rows are `<case>_interleaved`, median_ms the median of the rounds'."""
+        if not self.gpu:
+            return
+        rows: Dict[str, List[float]] = {name: [] for name in impls}
+        try:
+            for fn in impls.values():
+                fn()
+            for _ in range(rounds):
+                for name, fn in impls.items():
+                    rows[name].append(_time_gpu(fn, self.warmup_ms, self.rep_ms)["median_ms"])
+        except Exception as e:
+            print(f"  {case:<28} interleaved skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            return
+        for name, times in rows.items():
+            med = sorted(times)[len(times) // 2]
+            self.results.append({"case": case + "_interleaved", "impl": name, "median_ms": med, "round_ms": times,
+                                 "tflops": flops / med / 1e9})
+            print(f"  {case + '_interleaved':<28} {name:<10} {med:9.3f} ms  (rounds {', '.join(f'{t:.3f}' for t in times)})",
+                  flush=True)
+
 
 def _grads(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
@@ -127,6 +151,8 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
         r.time(case, "eager", lambda: eager_linear(x, w1, b1), fl)
         r.time(case, "cublaslt", lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True), fl)
         r.time(case, "compile", lambda: compile_linear(x, w1, b1), fl)
+        r.interleaved(case, {"coda": lambda: coda.ops.linear(x, w1, b1, gelu), "cublas": lambda: torch.matmul(x, w1.t()),
+                             "compile": lambda: compile_linear(x, w1, b1)}, fl)
         if r.gpu:
             # training forward: also stores the pre-activation for the backward
             r.time(case + "_save_h", "coda", lambda: torch.ops.coda.linear(x, w1, b1, 1, True), fl)
@@ -156,6 +182,8 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "cublas", six_gemms, fl)
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl)
+    r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
+                         "compile": _grads(compile_mlp, params, dy)}, fl)
 
 
 def _liger_rmsnorm():
@@ -211,6 +239,8 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
             r.time(case, "cublas", lambda: torch.matmul(x, w.t()), fl)
             r.time(case, "eager", lambda: eager(*args), fl)
             r.time(case, "compile", lambda: compiled[eager](*args), fl)
+            r.interleaved(case, {"coda": lambda: fused(*args), "cublas": lambda: torch.matmul(x, w.t()),
+                                 "compile": lambda: compiled[eager](*args)}, fl)
             if not layernorm and liger_rms is not None:
                 r.time(case, "liger", lambda: liger_rms_qkv(*args), fl)
             if r.gpu:  # in a block the stats come from the residual-reduce before (no pass over x)
@@ -237,6 +267,7 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
         r.time(case, "cublas", three_gemms, 3 * fl)
         r.time(case, "eager", grads(eager), 3 * fl)
         r.time(case, "compile", grads(compiled[eager]), 3 * fl)
+        r.interleaved(case, {"coda": grads(fused), "cublas": three_gemms, "compile": grads(compiled[eager])}, 3 * fl)
         if not layernorm and liger_rms is not None:
             r.time(case, "liger", grads(liger_rms_qkv), 3 * fl)
 
@@ -249,6 +280,9 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
         r.time(case, "cublas", lambda: torch.matmul(a, w_o.t()), fl)
         r.time(case, "eager", lambda: eager_residual(a, w_o, b_o, x), fl)
         r.time(case, "compile", lambda: compiled[eager_residual](a, w_o, b_o, x), fl)
+        r.interleaved(case, {"coda": lambda: coda.ops.linear_residual(a, w_o, b_o, x),
+                             "cublas": lambda: torch.matmul(a, w_o.t()),
+                             "compile": lambda: compiled[eager_residual](a, w_o, b_o, x)}, fl)
     case = f"oproj_residual_stats_fwd_bwd_{m}x{d}x{d}"
     params = [t.detach().clone().requires_grad_(True) for t in (a, w_o, b_o, x)]
     dy = rand(m, d)
@@ -294,6 +328,8 @@ def run_norm_mlp_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, dev
     r.time(case, "cublas", six_gemms, fl)
     r.time(case, "eager", lambda: torch.autograd.grad(eager(*params), params, dy), fl)
     r.time(case, "compile", lambda: torch.autograd.grad(compiled(*params), params, dy), fl)
+    r.interleaved(case, {"coda": lambda: torch.autograd.grad(fused(*params), params, dy), "cublas": six_gemms,
+                         "compile": lambda: torch.autograd.grad(compiled(*params), params, dy)}, fl)
 
 
 def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
