@@ -170,6 +170,7 @@ __device__ void load8(const float* __restrict__ p, float (&v)[8]) {
 constexpr int kDotsCols = 32 * 8;
 constexpr int kDotsRows = 128;
 constexpr int kDotsWarps = kThreads / 32;
+constexpr int kDotsBatch = 4;
 
 template <class T, epilogues::ActivationKind K>
 __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
@@ -185,19 +186,29 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
   float tv[8] = {}, sv[8] = {}, db[8] = {};
   if (in_cols && shift != nullptr) load8(shift + j, tv);
   if (in_cols && c2_partials != nullptr) load8(col_sum + j, sv);
-#pragma unroll 4
-  for (int i = 0; i < kDotsRows / kDotsWarps; ++i) {
-    const int64_t r = row0 + warp + int64_t(i) * kDotsWarps;
-    if (r >= m) break;  // warp-uniform
-    float a1 = 0.f, a2 = 0.f;
-    if (in_cols) {
-      Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
-      Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+  Vec8<T> zero;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) zero.v[e] = from_float<T>(0.f);
+  // Rows in batches whose loads are all issued before any is used: a warp
+  // then has kDotsBatch rows of dY and H in flight, not one.
+  for (int i0 = 0; i0 < kDotsRows / kDotsWarps; i0 += kDotsBatch) {
+    Vec8<T> g[kDotsBatch], hv[kDotsBatch];
+#pragma unroll
+    for (int b = 0; b < kDotsBatch; ++b) {
+      const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
+      const bool live = in_cols && r < m;
+      g[b] = live ? *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j) : zero;
+      hv[b] = live ? *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j) : zero;
+    }
+#pragma unroll
+    for (int b = 0; b < kDotsBatch; ++b) {
+      const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
+      float a1 = 0.f, a2 = 0.f;
       Vec8<T> out;
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float hf = to_float(hv.v[e]);
-        const float d = to_float(g.v[e]) * epilogues::detail::act_grad<K>(hf);
+        const float hf = to_float(hv[b].v[e]);
+        const float d = to_float(g[b].v[e]) * epilogues::detail::act_grad<K>(hf);  // 0 outside the matrix
         out.v[e] = from_float<T>(d);
         // The GEMMs downstream read the rounded dP; reduce what they read.
         const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
@@ -205,15 +216,17 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
         a2 += dr * sv[e];
         db[e] += dr;
       }
-      if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-      a1 += __shfl_xor_sync(0xffffffff, a1, o);
-      a2 += __shfl_xor_sync(0xffffffff, a2, o);
-    }
-    if (lane == 0) {
-      c1_partials[int64_t(blockIdx.x) * m + r] = a1;
-      if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
+      if (K != epilogues::ActivationKind::kIdentity && in_cols && r < m) {
+        *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        a1 += __shfl_xor_sync(0xffffffff, a1, o);
+        a2 += __shfl_xor_sync(0xffffffff, a2, o);
+      }
+      if (lane == 0 && r < m) {
+        c1_partials[int64_t(blockIdx.x) * m + r] = a1;
+        if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
+      }
     }
   }
   if (dbias_partials == nullptr) return;  // block-uniform
