@@ -165,59 +165,68 @@ __device__ void load8(const float* __restrict__ p, float (&v)[8]) {
 // partials of Σ_m dP: one read of dY and H for all three.
 //
 // A block covers kDotsRows rows × kDotsCols columns: a warp owns every 8th
-// row and a lane 8 columns, so row sums are warp shuffles and column sums a
-// pass over shared memory at the end. With identity, H is the output Y itself.
-constexpr int kDotsCols = 32 * 8;
-constexpr int kDotsRows = 128;
+// row, a lane kDotsVecs vectors of 8 columns, 256 columns apart (so a warp's
+// accesses are 512 contiguous bytes each, 2 KB per row). Row sums are warp
+// shuffles, column sums a pass over shared memory at the end. Wide chunks
+// keep the row partials few (a first version with 256-column chunks wrote
+// one float per row and 256 columns, and ran at 3.4 TB/s). With identity, H
+// is the output Y itself.
+constexpr int kDotsVecs = 4;
+constexpr int kDotsCols = 32 * 8 * kDotsVecs;
+constexpr int kDotsRows = 64;
 constexpr int kDotsWarps = kThreads / 32;
-constexpr int kDotsBatch = 4;
+constexpr int kDotsBatch = 1;  // rows whose loads are in flight together
 
 template <class T, epilogues::ActivationKind K>
-__global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
-                                     int64_t m, int64_t n, const float* __restrict__ shift,
-                                     const float* __restrict__ col_sum, T* __restrict__ dp, int64_t lddp,
-                                     float* __restrict__ c1_partials, float* __restrict__ c2_partials,
-                                     float* __restrict__ dbias_partials) {
+__global__ void __launch_bounds__(kThreads, 2) norm_row_dots_kernel(
+    const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh, int64_t m, int64_t n,
+    const float* __restrict__ shift, const float* __restrict__ col_sum, T* __restrict__ dp, int64_t lddp,
+    float* __restrict__ c1_partials, float* __restrict__ c2_partials, float* __restrict__ dbias_partials) {
   __shared__ float columns[kDotsWarps][kDotsCols];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t j = int64_t(blockIdx.x) * kDotsCols + lane * 8;
+  const int64_t col0 = int64_t(blockIdx.x) * kDotsCols + lane * 8;
   const int64_t row0 = int64_t(blockIdx.y) * kDotsRows;
-  const bool in_cols = j < n;  // n is a multiple of 8
-  float tv[8] = {}, sv[8] = {}, db[8] = {};
-  if (in_cols && shift != nullptr) load8(shift + j, tv);
-  if (in_cols && c2_partials != nullptr) load8(col_sum + j, sv);
   Vec8<T> zero;
 #pragma unroll
   for (int e = 0; e < 8; ++e) zero.v[e] = from_float<T>(0.f);
-  // Rows in batches whose loads are all issued before any is used: a warp
-  // then has kDotsBatch rows of dY and H in flight, not one.
+  float db[kDotsVecs][8] = {};
   for (int i0 = 0; i0 < kDotsRows / kDotsWarps; i0 += kDotsBatch) {
-    Vec8<T> g[kDotsBatch], hv[kDotsBatch];
+    Vec8<T> g[kDotsBatch][kDotsVecs], hv[kDotsBatch][kDotsVecs];
 #pragma unroll
     for (int b = 0; b < kDotsBatch; ++b) {
       const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
-      const bool live = in_cols && r < m;
-      g[b] = live ? *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j) : zero;
-      hv[b] = live ? *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j) : zero;
+#pragma unroll
+      for (int q = 0; q < kDotsVecs; ++q) {
+        const int64_t j = col0 + q * 256;
+        const bool live = r < m && j < n;  // n is a multiple of 8
+        g[b][q] = live ? *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j) : zero;
+        hv[b][q] = live ? *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j) : zero;
+      }
     }
 #pragma unroll
     for (int b = 0; b < kDotsBatch; ++b) {
       const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
       float a1 = 0.f, a2 = 0.f;
-      Vec8<T> out;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float hf = to_float(hv[b].v[e]);
-        const float d = to_float(g[b].v[e]) * epilogues::detail::act_grad<K>(hf);  // 0 outside the matrix
-        out.v[e] = from_float<T>(d);
-        // The GEMMs downstream read the rounded dP; reduce what they read.
-        const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
-        a1 += dr * (hf - tv[e]);
-        a2 += dr * sv[e];
-        db[e] += dr;
-      }
-      if (K != epilogues::ActivationKind::kIdentity && in_cols && r < m) {
-        *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+      for (int q = 0; q < kDotsVecs; ++q) {
+        const int64_t j = col0 + q * 256;
+        if (j >= n) continue;  // the same for the whole batch
+        float tv[8] = {}, sv[8] = {};
+        if (shift != nullptr) load8(shift + j, tv);  // L1-resident: every row reads them
+        if (c2_partials != nullptr) load8(col_sum + j, sv);
+        Vec8<T> out;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float hf = to_float(hv[b][q].v[e]);
+          const float d = to_float(g[b][q].v[e]) * epilogues::detail::act_grad<K>(hf);  // 0 past the last row
+          out.v[e] = from_float<T>(d);
+          // The GEMMs downstream read the rounded dP; reduce what they read.
+          const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
+          a1 += dr * (hf - tv[e]);
+          a2 += dr * sv[e];
+          db[q][e] += dr;
+        }
+        if (K != epilogues::ActivationKind::kIdentity && r < m) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
       }
       for (int o = 16; o > 0; o >>= 1) {
         a1 += __shfl_xor_sync(0xffffffff, a1, o);
@@ -231,13 +240,17 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
   }
   if (dbias_partials == nullptr) return;  // block-uniform
 #pragma unroll
-  for (int e = 0; e < 8; ++e) columns[warp][lane * 8 + e] = db[e];
+  for (int q = 0; q < kDotsVecs; ++q) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) columns[warp][q * 256 + lane * 8 + e] = db[q][e];
+  }
   __syncthreads();
-  const int64_t col = int64_t(blockIdx.x) * kDotsCols + threadIdx.x;
-  if (col < n) {
+  for (int c = threadIdx.x; c < kDotsCols; c += kThreads) {
+    const int64_t col = int64_t(blockIdx.x) * kDotsCols + c;
+    if (col >= n) break;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kDotsWarps; ++w) sum += columns[w][threadIdx.x];
+    for (int w = 0; w < kDotsWarps; ++w) sum += columns[w][c];
     dbias_partials[int64_t(blockIdx.y) * n + col] = sum;
   }
 }
