@@ -160,25 +160,71 @@ __device__ void load8(const float* __restrict__ p, float (&v)[8]) {
 
 // The backward of a lone norm-linear, whose output gradient comes from
 // outside: dP = dY ⊙ act'(H) (written when the activation is not identity),
-// and per-(column chunk, row) partials of c₁ = scale·Σ_n dP ⊙ (H − t) and
-// c₂ = scale·Σ_n dP ⊙ s, and, when dbias is wanted, per-(row strip, column)
-// partials of Σ_m dP: one read of dY and H for all three.
+// c₁ = scale·Σ_n dP ⊙ (H − t), c₂ = scale·Σ_n dP ⊙ s and, when wanted, the
+// bias gradient Σ_m dP, in one read of dY and H. With identity, H is the
+// output Y itself.
 //
-// A block covers kDotsRows rows × kDotsCols columns: a warp owns every 8th
-// row, a lane kDotsVecs vectors of 8 columns, 256 columns apart (so a warp's
-// accesses are 512 contiguous bytes each, 2 KB per row). Row sums are warp
-// shuffles, column sums a pass over shared memory at the end. Wide chunks
-// keep the row partials few (a first version with 256-column chunks wrote
-// one float per row and 256 columns, and ran at 3.4 TB/s). With identity, H
-// is the output Y itself.
+// 8 elements of it: returns the rounded dP and adds to the sums.
+template <class T, epilogues::ActivationKind K>
+__device__ Vec8<T> row_dots8(const Vec8<T>& g, const Vec8<T>& hv, const float (&tv)[8], const float (&sv)[8],
+                             float& a1, float& a2, float (&db)[8]) {
+  Vec8<T> out;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float hf = to_float(hv.v[e]);
+    const float d = to_float(g.v[e]) * epilogues::detail::act_grad<K>(hf);
+    out.v[e] = from_float<T>(d);
+    // The GEMMs downstream read the rounded dP; reduce what they read.
+    const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
+    a1 += dr * (hf - tv[e]);
+    a2 += dr * sv[e];
+    db[e] += dr;
+  }
+  return out;
+}
+
+// Without the bias gradient: one block per row, which streams whole rows
+// (0.195 ms for 16384 x 12288 on the H200, against 0.227 for the tiled
+// kernel below).
+template <class T, epilogues::ActivationKind K>
+__global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
+                                     int64_t n, const float* __restrict__ shift, const float* __restrict__ col_sum,
+                                     float scale, T* __restrict__ dp, int64_t lddp, float* __restrict__ c1,
+                                     float* __restrict__ c2) {
+  __shared__ float shared[kThreads / 32];
+  const int64_t r = blockIdx.x;
+  float a1 = 0.f, a2 = 0.f, unused[8] = {};
+  for (int64_t j = int64_t(threadIdx.x) * 8; j < n; j += int64_t(kThreads) * 8) {
+    const Vec8<T> g = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
+    const Vec8<T> hv = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+    float tv[8] = {}, sv[8] = {};
+    if (shift != nullptr) load8(shift + j, tv);
+    if (col_sum != nullptr) load8(col_sum + j, sv);
+    const Vec8<T> out = row_dots8<T, K>(g, hv, tv, sv, a1, a2, unused);
+    if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+  }
+  a1 = block_sum(a1, shared);
+  a2 = block_sum(a2, shared);
+  if (threadIdx.x == 0) {
+    c1[r] = scale * a1;
+    if (c2 != nullptr) c2[r] = scale * a2;
+  }
+}
+
+// With the bias gradient, which needs column sums too: a block covers
+// kDotsRows rows × kDotsCols columns, a warp every 8th row, a lane kDotsVecs
+// vectors of 8 columns 256 apart (512 contiguous bytes per warp access).
+// Row sums are warp shuffles into per-(chunk, row) partials, column sums a
+// pass over shared memory into per-(strip, column) partials. On the H200:
+// 0.268 ms with the bias gradient, against 0.195 + 0.113 for the per-row
+// kernel and a separate sum.
 constexpr int kDotsVecs = 4;
 constexpr int kDotsCols = 32 * 8 * kDotsVecs;
 constexpr int kDotsRows = 64;
 constexpr int kDotsWarps = kThreads / 32;
-constexpr int kDotsBatch = 1;  // rows whose loads are in flight together
 
 template <class T, epilogues::ActivationKind K>
-__global__ void __launch_bounds__(kThreads, 2) norm_row_dots_kernel(
+__global__ void __launch_bounds__(kThreads, 2) norm_row_dots_bias_kernel(
     const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh, int64_t m, int64_t n,
     const float* __restrict__ shift, const float* __restrict__ col_sum, T* __restrict__ dp, int64_t lddp,
     float* __restrict__ c1_partials, float* __restrict__ c2_partials, float* __restrict__ dbias_partials) {
@@ -186,59 +232,39 @@ __global__ void __launch_bounds__(kThreads, 2) norm_row_dots_kernel(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t col0 = int64_t(blockIdx.x) * kDotsCols + lane * 8;
   const int64_t row0 = int64_t(blockIdx.y) * kDotsRows;
-  Vec8<T> zero;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) zero.v[e] = from_float<T>(0.f);
   float db[kDotsVecs][8] = {};
-  for (int i0 = 0; i0 < kDotsRows / kDotsWarps; i0 += kDotsBatch) {
-    Vec8<T> g[kDotsBatch][kDotsVecs], hv[kDotsBatch][kDotsVecs];
+  for (int i = 0; i < kDotsRows / kDotsWarps; ++i) {
+    const int64_t r = row0 + warp + int64_t(i) * kDotsWarps;
+    if (r >= m) break;  // warp-uniform
+    Vec8<T> g[kDotsVecs], hv[kDotsVecs];
 #pragma unroll
-    for (int b = 0; b < kDotsBatch; ++b) {
-      const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
-#pragma unroll
-      for (int q = 0; q < kDotsVecs; ++q) {
-        const int64_t j = col0 + q * 256;
-        const bool live = r < m && j < n;  // n is a multiple of 8
-        g[b][q] = live ? *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j) : zero;
-        hv[b][q] = live ? *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j) : zero;
+    for (int q = 0; q < kDotsVecs; ++q) {  // all loads of the row first
+      const int64_t j = col0 + q * 256;
+      if (j < n) {  // n is a multiple of 8
+        g[q] = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
+        hv[q] = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
       }
     }
+    float a1 = 0.f, a2 = 0.f;
 #pragma unroll
-    for (int b = 0; b < kDotsBatch; ++b) {
-      const int64_t r = row0 + warp + int64_t(i0 + b) * kDotsWarps;
-      float a1 = 0.f, a2 = 0.f;
-#pragma unroll
-      for (int q = 0; q < kDotsVecs; ++q) {
-        const int64_t j = col0 + q * 256;
-        if (j >= n) continue;  // the same for the whole batch
-        float tv[8] = {}, sv[8] = {};
-        if (shift != nullptr) load8(shift + j, tv);  // L1-resident: every row reads them
-        if (c2_partials != nullptr) load8(col_sum + j, sv);
-        Vec8<T> out;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float hf = to_float(hv[b][q].v[e]);
-          const float d = to_float(g[b][q].v[e]) * epilogues::detail::act_grad<K>(hf);  // 0 past the last row
-          out.v[e] = from_float<T>(d);
-          // The GEMMs downstream read the rounded dP; reduce what they read.
-          const float dr = K == epilogues::ActivationKind::kIdentity ? d : to_float(out.v[e]);
-          a1 += dr * (hf - tv[e]);
-          a2 += dr * sv[e];
-          db[q][e] += dr;
-        }
-        if (K != epilogues::ActivationKind::kIdentity && r < m) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
-      }
-      for (int o = 16; o > 0; o >>= 1) {
-        a1 += __shfl_xor_sync(0xffffffff, a1, o);
-        a2 += __shfl_xor_sync(0xffffffff, a2, o);
-      }
-      if (lane == 0 && r < m) {
-        c1_partials[int64_t(blockIdx.x) * m + r] = a1;
-        if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
-      }
+    for (int q = 0; q < kDotsVecs; ++q) {
+      const int64_t j = col0 + q * 256;
+      if (j >= n) continue;
+      float tv[8] = {}, sv[8] = {};
+      if (shift != nullptr) load8(shift + j, tv);  // L1-resident: every row reads them
+      if (c2_partials != nullptr) load8(col_sum + j, sv);
+      const Vec8<T> out = row_dots8<T, K>(g[q], hv[q], tv, sv, a1, a2, db[q]);
+      if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      a1 += __shfl_xor_sync(0xffffffff, a1, o);
+      a2 += __shfl_xor_sync(0xffffffff, a2, o);
+    }
+    if (lane == 0) {
+      c1_partials[int64_t(blockIdx.x) * m + r] = a1;
+      if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
     }
   }
-  if (dbias_partials == nullptr) return;  // block-uniform
 #pragma unroll
   for (int q = 0; q < kDotsVecs; ++q) {
 #pragma unroll
@@ -308,8 +334,10 @@ struct RowDotsScratch {
 
 size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// Only the bias kernel needs partials.
 RowDotsScratch row_dots_scratch(const NormRowDotsArgs& a) {
-  RowDotsScratch s;
+  RowDotsScratch s{};
+  if (a.dbias == nullptr) return s;
   s.chunks = (a.n + kDotsCols - 1) / kDotsCols;
   s.strips = (a.m + kDotsRows - 1) / kDotsRows;
   s.c1_bytes = align256(sizeof(float) * s.chunks * a.m);
@@ -331,14 +359,22 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
   char* base = static_cast<char*>(scratch);
   float* c1p = reinterpret_cast<float*>(base);
   float* c2p = a.c2 != nullptr ? reinterpret_cast<float*>(base + s.c1_bytes) : nullptr;
-  float* dbp = a.dbias != nullptr ? reinterpret_cast<float*>(base + s.c1_bytes + s.c2_bytes) : nullptr;
+  float* dbp = reinterpret_cast<float*>(base + s.c1_bytes + s.c2_bytes);
   Status st = with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto k) {
-      dim3 grid(static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.strips));
-      norm_row_dots_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(
-          static_cast<const T*>(a.dy), a.lddy, static_cast<const T*>(a.pre_act), a.ld_pre_act, a.m, a.n, a.shift,
-          a.col_sum, static_cast<T*>(a.dp), a.lddp, c1p, c2p, dbp);
+      constexpr auto K = decltype(k)::value;
+      const T* dy = static_cast<const T*>(a.dy);
+      const T* h = static_cast<const T*>(a.pre_act);
+      T* dp = static_cast<T*>(a.dp);
+      if (a.dbias == nullptr) {
+        norm_row_dots_kernel<T, K><<<static_cast<unsigned>(a.m), kThreads, 0, stream>>>(
+            dy, a.lddy, h, a.ld_pre_act, a.n, a.shift, a.col_sum, a.scale, dp, a.lddp, a.c1, a.c2);
+      } else {
+        dim3 grid(static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.strips));
+        norm_row_dots_bias_kernel<T, K><<<grid, kThreads, 0, stream>>>(dy, a.lddy, h, a.ld_pre_act, a.m, a.n, a.shift,
+                                                                      a.col_sum, dp, a.lddp, c1p, c2p, dbp);
+      }
       return launched("norm_row_dots");
     };
     using K = epilogues::ActivationKind;
@@ -350,9 +386,10 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
       default: return launch(std::integral_constant<K, K::kIdentity>{});
     }
   });
+  if (a.dbias == nullptr) return st;
   if (st == Status::kSuccess) st = row_partials_sum(c1p, s.chunks, a.m, a.m, a.scale, a.c1, stream);
   if (st == Status::kSuccess && c2p != nullptr) st = row_partials_sum(c2p, s.chunks, a.m, a.m, a.scale, a.c2, stream);
-  if (st == Status::kSuccess && dbp != nullptr) st = column_sum(dtype, dbp, s.strips, a.n, a.n, a.dbias, stream);
+  if (st == Status::kSuccess) st = column_sum(dtype, dbp, s.strips, a.n, a.n, a.dbias, stream);
   return st;
 }
 
