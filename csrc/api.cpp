@@ -207,56 +207,36 @@ constexpr bool kSweepBuild = true;
 constexpr bool kSweepBuild = false;
 #endif
 
-// The configurations each op's kernels are built in (the sweep candidates
-// are bf16 only; CMakeLists.txt lists them). Keep kernel_configs in step.
-template <class Fn>
-auto with_linear_kernel(DType dtype, Config config, Fn&& fn) {
+template <Config... Cs>
+struct Configs {};
+
+// fn(dtype tag, config tag) for the run-time dtype and configuration, among
+// the configurations an op is built in: Sweep's in a sweep build's bf16
+// kernels, else Base's (the first of each is the fallback). The sweep
+// candidates are bf16 only; CMakeLists.txt lists them. Keep kernel_configs
+// in step.
+template <Config... Base, Config... Sweep, class Fn>
+auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config, Fn&& fn) {
   return with_dtype(dtype, [&](auto dt) {
     auto call = [&](auto cfg) { return fn(dt, cfg); };
     if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
-      return pick<Config::kCooperative128x256, Config::kPingpong128x128, Config::kCooperativeStreamK128x256,
-                  Config::kCooperative128x256Cluster1, Config::kCooperative256x128,
-                  Config::kPingpong128x128Cluster2x1>(config, call);
+      return pick<Sweep...>(config, call);
     } else {
-      return pick<Config::kCooperative128x256, Config::kPingpong128x128>(config, call);
+      return pick<Base...>(config, call);
     }
   });
 }
 
-template <class Fn>
-auto with_dgrad_kernel(DType dtype, Config config, Fn&& fn) {
-  return with_dtype(dtype, [&](auto dt) {
-    auto call = [&](auto cfg) { return fn(dt, cfg); };
-    if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
-      return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256, Config::kCooperative128x256Cluster1,
-                  Config::kCooperative256x128, Config::kPingpong128x128Cluster2x1>(config, call);
-    } else {
-      return pick<Config::kCooperative128x256>(config, call);
-    }
-  });
-}
-
-template <class Fn>
-auto with_wgrad_kernel(DType dtype, Config config, Fn&& fn) {
-  return with_dtype(dtype, [&](auto dt) {
-    auto call = [&](auto cfg) { return fn(dt, cfg); };
-    if constexpr (kSweepBuild && dt.value == DType::kBFloat16) {
-      return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256, Config::kCooperative128x256Cluster1,
-                  Config::kCooperative256x128>(config, call);
-    } else {
-      return pick<Config::kCooperative128x256>(config, call);
-    }
-  });
-}
-
-template <class Fn>
-auto with_residual_kernel(Config config, Fn&& fn) {
-  if constexpr (kSweepBuild) {
-    return pick<Config::kCooperative128x256, Config::kCooperativeStreamK128x256>(config, fn);
-  } else {
-    return pick<Config::kCooperative128x256>(config, fn);
-  }
-}
+using C = Config;
+using OneConfig = Configs<C::kCooperative128x256>;
+using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperativeStreamK128x256,
+                            C::kCooperative128x256Cluster1, C::kCooperative256x128, C::kPingpong128x128Cluster2x1>;
+using DgradSweep = Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256, C::kCooperative128x256Cluster1,
+                           C::kCooperative256x128, C::kPingpong128x128Cluster2x1>;
+using WgradSweep =
+    Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256, C::kCooperative128x256Cluster1, C::kCooperative256x128>;
+using ResidualSweep = Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256>;
 
 // The norm-folding kernels are built for bf16 only.
 Status check_bf16(DType dtype, const char* op) {
@@ -361,14 +341,14 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   e.activation = static_cast<int>(a.activation);
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
-  return with_linear_kernel(dtype, choice.config,
+  return with_kernel(LinearConfigs{}, LinearSweep{}, dtype, choice.config,
                             [&](auto dt, auto cfg) { return kernels::linear_act<dt.value, cfg.value>(p, e); });
 }
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
   Choice choice = choose_linear(a);
   auto p = linear_problem(a, choice, nullptr, 0, nullptr);
-  return with_linear_kernel(dtype, choice.config,
+  return with_kernel(LinearConfigs{}, LinearSweep{}, dtype, choice.config,
                             [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
 }
 
@@ -405,7 +385,7 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
-  return with_dgrad_kernel(dtype, choice.config,
+  return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
 }
 
@@ -415,7 +395,7 @@ size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
   if (a.norm_c1 != nullptr) {
     return kernels::dact_rowdot_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
   }
-  return with_dgrad_kernel(dtype, choice.config,
+  return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });
 }
 
@@ -433,14 +413,14 @@ Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_
   }
   Choice choice = choose_wgrad(a);
   auto p = wgrad_problem(a, choice, workspace, workspace_bytes, stream);
-  return with_wgrad_kernel(dtype, choice.config,
+  return with_kernel(OneConfig{}, WgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::wgrad_store<dt.value, cfg.value>(p); });
 }
 
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
   Choice choice = choose_wgrad(a);
   auto p = wgrad_problem(a, choice, nullptr, 0, nullptr);
-  return with_wgrad_kernel(dtype, choice.config,
+  return with_kernel(OneConfig{}, WgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::wgrad_store_workspace<dt.value, cfg.value>(p); });
 }
 
@@ -599,7 +579,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
   if (a.m == 0) return Status::kSuccess;
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, workspace, workspace_bytes, stream);
-  return with_residual_kernel(choice.config, [&](auto cfg) {
+  return with_kernel(OneConfig{}, ResidualSweep{}, dtype, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }
@@ -607,7 +587,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
 size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, nullptr, 0, nullptr);
-  return with_residual_kernel(choice.config, [&](auto cfg) {
+  return with_kernel(OneConfig{}, ResidualSweep{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats_workspace<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }
