@@ -342,7 +342,7 @@ RowDotsScratch row_dots_scratch(const NormRowDotsArgs& a) {
   s.strips = (a.m + kDotsRows - 1) / kDotsRows;
   s.c1_bytes = align256(sizeof(float) * s.chunks * a.m);
   s.c2_bytes = a.c2 != nullptr ? s.c1_bytes : 0;
-  s.dbias_bytes = a.dbias != nullptr ? align256(sizeof(float) * s.strips * a.n) : 0;
+  s.dbias_bytes = align256(sizeof(float) * s.strips * a.n);
   return s;
 }
 }  // namespace
