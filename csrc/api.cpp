@@ -213,8 +213,8 @@ struct Configs {};
 // fn(dtype tag, config tag) for the run-time dtype and configuration, among
 // the configurations an op is built in: Sweep's in a sweep build's bf16
 // kernels, else Base's (the first of each is the fallback). The sweep
-// candidates are bf16 only; CMakeLists.txt lists them. Keep kernel_configs
-// in step.
+// candidates are bf16 only; CMakeLists.txt lists them. kernel_configs
+// reports the same lists.
 template <Config... Base, Config... Sweep, class Fn>
 auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config, Fn&& fn) {
   return with_dtype(dtype, [&](auto dt) {
@@ -300,24 +300,51 @@ void set_tuning(const Tuning& tuning) {
 
 Tuning get_tuning() { return current_tuning(); }
 
-const char* kernel_configs(const char* op) {
-  // "value:name" of each configuration built for the op's bf16 kernels, in
-  // step with the with_*_kernel dispatchers above.
-  const std::string o = op != nullptr ? op : "";
-  if (kSweepBuild) {
-    if (o == "linear") {
-      return "0:cooperative_128x256_2x1,1:pingpong_128x128_1x2,2:cooperative_streamk_128x256_2x1,"
-             "3:cooperative_128x256_1x1,4:cooperative_256x128_1x2,5:pingpong_128x128_2x1";
-    }
-    if (o == "dgrad") {
-      return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1,3:cooperative_128x256_1x1,"
-             "4:cooperative_256x128_1x2,5:pingpong_128x128_2x1";
-    }
-    if (o == "wgrad") return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1,3:cooperative_128x256_1x1,4:cooperative_256x128_1x2";
-    if (o == "linear_residual") return "0:cooperative_128x256_2x1,2:cooperative_streamk_128x256_2x1";
+namespace {
+const char* config_name(Config c) {
+  switch (c) {
+    case Config::kCooperative128x256: return "cooperative_128x256_2x1";
+    case Config::kPingpong128x128: return "pingpong_128x128_1x2";
+    case Config::kCooperativeStreamK128x256: return "cooperative_streamk_128x256_2x1";
+    case Config::kCooperative128x256Cluster1: return "cooperative_128x256_1x1";
+    case Config::kCooperative256x128: return "cooperative_256x128_1x2";
+    case Config::kPingpong128x128Cluster2x1: return "pingpong_128x128_2x1";
   }
-  if (o == "linear" || o == "norm_linear") return "0:cooperative_128x256_2x1,1:pingpong_128x128_1x2";
-  return "0:cooperative_128x256_2x1";
+  return "unknown";
+}
+
+// "value:name,..." of a configuration list, for kernel_configs: from the
+// same lists the dispatch picks from.
+template <Config... Base, Config... Sweep>
+std::string listed(Configs<Base...>, Configs<Sweep...>) {
+  std::string out;
+  auto add = [&](Config c) {
+    if (!out.empty()) out += ",";
+    out += std::to_string(static_cast<int>(c)) + ":" + config_name(c);
+  };
+  if (kSweepBuild) {
+    (add(Sweep), ...);
+  } else {
+    (add(Base), ...);
+  }
+  return out;
+}
+}  // namespace
+
+const char* kernel_configs(const char* op) {
+  static const std::string linear = listed(LinearConfigs{}, LinearSweep{});
+  static const std::string norm_linear = listed(LinearConfigs{}, LinearConfigs{});  // built in the shipped pair only
+  static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
+  static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
+  static const std::string residual = listed(OneConfig{}, ResidualSweep{});
+  static const std::string one = listed(OneConfig{}, OneConfig{});
+  const std::string o = op != nullptr ? op : "";
+  if (o == "linear") return linear.c_str();
+  if (o == "norm_linear") return norm_linear.c_str();
+  if (o == "dgrad") return dgrad.c_str();
+  if (o == "wgrad") return wgrad.c_str();
+  if (o == "linear_residual") return residual.c_str();
+  return one.c_str();
 }
 
 Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
