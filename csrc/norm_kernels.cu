@@ -215,9 +215,9 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
 // kDotsRows rows × kDotsCols columns, a warp every 8th row, a lane kDotsVecs
 // vectors of 8 columns 256 apart (512 contiguous bytes per warp access).
 // Row sums are warp shuffles into per-(chunk, row) partials, column sums a
-// pass over shared memory into per-(strip, column) partials. On the H200:
-// 0.268 ms with the bias gradient, against 0.195 + 0.113 for the per-row
-// kernel and a separate sum.
+// pass over shared memory into per-(strip, column) partials. On the H200
+// (16384 x 12288): 0.240 ms with the merges, against 0.195 + 0.112 for the
+// per-row kernel and a separate sum.
 constexpr int kDotsVecs = 4;
 constexpr int kDotsCols = 32 * 8 * kDotsVecs;
 constexpr int kDotsRows = 64;
