@@ -230,13 +230,12 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperativeStreamK128x256,
-                            C::kCooperative128x256Cluster1, C::kCooperative256x128, C::kPingpong128x128Cluster2x1>;
-using DgradSweep = Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256, C::kCooperative128x256Cluster1,
-                           C::kCooperative256x128, C::kPingpong128x128Cluster2x1>;
-using WgradSweep =
-    Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256, C::kCooperative128x256Cluster1, C::kCooperative256x128>;
-using ResidualSweep = Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x192Cluster2x1,
+                            C::kPingpong128x192, C::kCooperative256x192>;
+using DgradSweep =
+    Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192, C::kCooperative256x192>;
+using WgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kCooperative256x192>;
+using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192>;
 
 // The norm-folding kernels are built for bf16 only.
 Status check_bf16(DType dtype, const char* op) {
@@ -309,6 +308,9 @@ const char* config_name(Config c) {
     case Config::kCooperative128x256Cluster1: return "cooperative_128x256_1x1";
     case Config::kCooperative256x128: return "cooperative_256x128_1x2";
     case Config::kPingpong128x128Cluster2x1: return "pingpong_128x128_2x1";
+    case Config::kPingpong128x192Cluster2x1: return "pingpong_128x192_2x1";
+    case Config::kPingpong128x192: return "pingpong_128x192_1x2";
+    case Config::kCooperative256x192: return "cooperative_256x192_2x1";
   }
   return "unknown";
 }

@@ -54,6 +54,7 @@ using cute::_1;
 using cute::_2;
 using cute::_64;
 using cute::_128;
+using cute::_192;
 using cute::_256;
 
 template <>
@@ -71,6 +72,13 @@ struct TileConfig<Config::kCooperative256x128> : CooperativeTile<cute::Shape<_25
 template <>
 struct TileConfig<Config::kPingpong128x128Cluster2x1>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileConfig<Config::kPingpong128x192Cluster2x1>
+    : PingpongTile<cute::Shape<_128, _192, _64>, cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileConfig<Config::kPingpong128x192> : PingpongTile<cute::Shape<_128, _192, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative256x192> : CooperativeTile<cute::Shape<_256, _192, _64>, cute::Shape<_2, _1, _1>> {};
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.

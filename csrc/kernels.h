@@ -22,6 +22,12 @@ enum class Config : int {
   kCooperative128x256Cluster1 = 3,  // as 0, 1x1 cluster
   kCooperative256x128 = 4,          // 256x128x64 tile, 1x2 cluster, cooperative
   kPingpong128x128Cluster2x1 = 5,   // as 1, 2x1 cluster
+  // A 192-column tile (quack's default on sm_90): 1.5x the MMA work per
+  // epilogue of 128x128, and a 192-register accumulator per warp group,
+  // which ping-pong still holds.
+  kPingpong128x192Cluster2x1 = 6,   // 128x192x64 tile, 2x1 cluster, ping-pong
+  kPingpong128x192 = 7,             // 128x192x64 tile, 1x2 cluster, ping-pong
+  kCooperative256x192 = 8,          // 256x192x64 tile, 2x1 cluster, cooperative
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
