@@ -486,7 +486,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
     p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
-    p.add_argument("--only", choices=["mlp", "norm"], help="run only the MLP cases or only the norm cases")
+    p.add_argument("--only", choices=["mlp", "norm", "breakdown"],
+                   help="run only the MLP cases, only the norm cases, or only the norm ops' per-kernel breakdown")
     p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
@@ -510,13 +511,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     r = Runner(gpu, args.warmup_ms, args.rep_ms)
     device = "cuda" if gpu else "cpu"
     if not args.only_sweep:
-        if args.only != "norm":
+        if args.only in (None, "mlp"):
             run_cases(r, m, d, f, dtype, device)
-        if args.only != "mlp":
+        if args.only in (None, "norm"):
             run_norm_cases(r, m, d, dtype, device)
             run_norm_mlp_case(r, m, d, f, dtype, device)
-            if gpu:
-                run_norm_breakdown(r, m, d, f, dtype)
+        if gpu and args.only in (None, "norm", "breakdown"):
+            run_norm_breakdown(r, m, d, f, dtype)
     def write() -> None:
         if not args.out:
             return
