@@ -235,6 +235,8 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 using DgradSweep =
     Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192, C::kCooperative256x192>;
 using WgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kCooperative256x192>;
+// The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
+using NormLinearConfigs = LinearConfigs;
 using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192>;
 
 // The norm-folding kernels are built for bf16 only.
@@ -335,7 +337,7 @@ std::string listed(Configs<Base...>, Configs<Sweep...>) {
 
 const char* kernel_configs(const char* op) {
   static const std::string linear = listed(LinearConfigs{}, LinearSweep{});
-  static const std::string norm_linear = listed(LinearConfigs{}, LinearConfigs{});  // built in the shipped pair only
+  static const std::string norm_linear = listed(NormLinearConfigs{}, NormLinearConfigs{});
   static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
   static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
   static const std::string residual = listed(OneConfig{}, ResidualSweep{});
@@ -578,19 +580,15 @@ Status norm_linear(DType dtype, const NormLinearArgs& a, void* workspace, size_t
   Choice choice = choose_norm_linear(a);
   auto p = norm_linear_problem(a, choice, workspace, workspace_bytes, stream);
   auto e = norm_linear_epilogue(a);
-  if (choice.config == kernels::Config::kPingpong128x128) {
-    return kernels::norm_linear_act<DType::kBFloat16, kernels::Config::kPingpong128x128>(p, e);
-  }
-  return kernels::norm_linear_act<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, e);
+  return with_kernel(NormLinearConfigs{}, NormLinearConfigs{}, DType::kBFloat16, choice.config,
+                     [&](auto, auto cfg) { return kernels::norm_linear_act<DType::kBFloat16, cfg.value>(p, e); });
 }
 
 size_t norm_linear_workspace_size(DType, const NormLinearArgs& a) {
   Choice choice = choose_norm_linear(a);
   auto p = norm_linear_problem(a, choice, nullptr, 0, nullptr);
-  if (choice.config == kernels::Config::kPingpong128x128) {
-    return kernels::norm_linear_act_workspace<DType::kBFloat16, kernels::Config::kPingpong128x128>(p);
-  }
-  return kernels::norm_linear_act_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p);
+  return with_kernel(NormLinearConfigs{}, NormLinearConfigs{}, DType::kBFloat16, choice.config,
+                     [&](auto, auto cfg) { return kernels::norm_linear_act_workspace<DType::kBFloat16, cfg.value>(p); });
 }
 
 Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace, size_t workspace_bytes,
