@@ -95,6 +95,32 @@ class Runner:
         print(f"  {case:<28} {impl:<10} {t['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
         return row
 
+    def paired(self, case: str, impl: str, fn: Callable[[], object], baseline: Callable[[], object], flops: float,
+               rounds: int = 3, **extra) -> Optional[Dict]:
+        """fn timed right after its baseline, `rounds` times over. Each round's
+        ratio compares two timings a second apart, so the clock's drift over a
+        sweep (up to 2% here) largely cancels; ratio_to_cublas is the median
+        of the rounds' ratios."""
+        if not self.gpu:
+            return self.time(case, impl, fn, flops, **extra)
+        try:
+            fn()
+            times, ratios = [], []
+            for _ in range(rounds):
+                floor = _time_gpu(baseline, self.warmup_ms, self.rep_ms)["median_ms"]
+                times.append(_time_gpu(fn, self.warmup_ms, self.rep_ms)["median_ms"])
+                ratios.append(times[-1] / floor)
+        except Exception as e:
+            print(f"  {case:<28} {impl:<10} skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            return None
+        med, ratio = sorted(times)[len(times) // 2], sorted(ratios)[len(ratios) // 2]
+        row = {"case": case, "impl": impl, "median_ms": med, "ratio_to_cublas": ratio, "round_ratios": ratios,
+               "tflops": flops / med / 1e9, **extra}
+        self.results.append(row)
+        print(f"  {case:<28} {impl:<10} {med:9.3f} ms  x{ratio:.3f} cuBLAS (rounds {', '.join(f'{q:.3f}' for q in ratios)})",
+              flush=True)
+        return row
+
     def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float, rounds: int = 3) -> None:
         """The impls timed in turn, `rounds` times over: the GPU's clock drifts
         with its temperature and power over a run, by up to 2% between two
@@ -403,7 +429,8 @@ def _configs(op: str) -> List[int]:
 
 def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8,), rasters=(1, 2),
               after_case: Optional[Callable[[], None]] = None) -> None:
-    """Every configuration built, raster order and swizzle on the MLP's and o-proj's GEMMs.
+    """Every configuration built, raster order and swizzle on the MLP's and o-proj's GEMMs,
+    each timed paired with cuBLAS on the same GEMM (Runner.paired).
 
     Each configuration's output is first compared with the default one's, so
     that a candidate which computes something else is reported, not timed.
@@ -460,10 +487,10 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
             for raster in rasters:
                 for swizzle in swizzles:
                     torch.ops.coda.set_tuning(config, raster, swizzle)
-                    r.time(name, f"coda[c{config},r{raster},s{swizzle}]", fn, flops,
-                           config=config, raster=raster, swizzle=swizzle, rel_diff_to_default=diff)
+                    r.paired(name, f"coda[c{config},r{raster},s{swizzle}]", fn, cublas, flops,
+                             config=config, raster=raster, swizzle=swizzle, rel_diff_to_default=diff)
         torch.ops.coda.set_tuning(-1, -1, -1)
-        r.time(name, "coda[auto]", fn, flops)
+        r.paired(name, "coda[auto]", fn, cublas, flops)
         if after_case is not None:
             after_case()  # a hang in a later case (the machine's limit) keeps what was measured
 
@@ -473,7 +500,10 @@ def summarize(results: List[Dict]) -> None:
     floors = {row["case"]: row["median_ms"] for row in results if row["impl"] == "cublas"}
     for row in results:
         floor = floors.get(row["case"])
-        ratio = f"{row['median_ms'] / floor:8.3f}" if floor else "       -"
+        if "ratio_to_cublas" in row:  # paired timing: its own ratio, not one against another moment's cuBLAS
+            ratio = f"{row['ratio_to_cublas']:8.3f}"
+        else:
+            ratio = f"{row['median_ms'] / floor:8.3f}" if floor else "       -"
         print(f"{row['case']:<38} {row['impl']:<10} {row['median_ms']:10.3f} {ratio}")
 
 
