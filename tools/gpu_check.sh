@@ -9,8 +9,8 @@
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench.
 # --sweep builds the candidate configurations too (CODA_SWEEP_CONFIGS) and
-# runs only the MLP's GPU tests and the sweep, each candidate checked against
-# the default configuration's output before it is timed.
+# runs the GPU tests, the norm ops' per-kernel breakdown and the sweep, each
+# candidate checked against the default configuration's output before it is timed.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -42,13 +42,18 @@ echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
 if [ "$QUICK" = "--sweep" ]; then
-  step "GPU tests of the MLP"
-  python3 -m pytest tests/test_gpu.py -q -x > "$OUT/tests.log" 2>&1 || status=1
-  tail -5 "$OUT/tests.log"
+  # The sweep build dispatches as the shipped one does unless tuning asks
+  # otherwise, so its GPU tests are those of the shipped choices.
+  step "GPU tests"
+  CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
+  tail -8 "$OUT/tests.log"
+  step "per-kernel breakdown of the norm ops"
+  python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
+  grep -E "^  " "$OUT/breakdown.log" | tail -40
   step "kernel-configuration sweep"
   # A candidate that hangs (a stream-K variant once did) is killed; the
   # results file holds every case finished before it.
-  timeout -k 10 ${SWEEP_TIMEOUT:-300} python3 -m coda.bench --only-sweep --rep-ms 200 --warmup-ms 50 --out "$OUT" \
+  timeout -k 10 ${SWEEP_TIMEOUT:-300} python3 -m coda.bench --only-sweep --rep-ms 100 --warmup-ms 25 --out "$OUT" \
     > "$OUT/sweep.log" 2>&1 || status=1
   tail -120 "$OUT/sweep.log"
   step "done, status $status"
