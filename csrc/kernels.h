@@ -24,7 +24,10 @@ enum class Config : int {
   kPingpong128x128Cluster2x1 = 5,   // as 1, 2x1 cluster
   // A 192-column tile (quack's default on sm_90): 1.5x the MMA work per
   // epilogue of 128x128, and a 192-register accumulator per warp group,
-  // which ping-pong still holds.
+  // which ping-pong still holds (with ~100 bytes of epilogue spills). The
+  // 870930a sweep, paired with cuBLAS: 6 matched 1 on the fc1 forward
+  // (1.04x) and lost 5-25% elsewhere; 7 and 8 (3 mainloop stages) lost
+  // everywhere. None is shipped.
   kPingpong128x192Cluster2x1 = 6,   // 128x192x64 tile, 2x1 cluster, ping-pong
   kPingpong128x192 = 7,             // 128x192x64 tile, 1x2 cluster, ping-pong
   kCooperative256x192 = 8,          // 256x192x64 tile, 2x1 cluster, cooperative
