@@ -230,14 +230,14 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x192Cluster2x1,
-                            C::kPingpong128x192, C::kCooperative256x192>;
-using DgradSweep =
-    Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192, C::kCooperative256x192>;
-using WgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kCooperative256x192>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperative256x128Cluster2x1,
+                            C::kCooperative128x256Epi16, C::kPingpong128x128Epi64, C::kCooperative128x256Epi1Stage>;
+using DgradSweep = Configs<C::kCooperative128x256, C::kCooperative256x128Cluster2x1>;
+using NormDgradSweep = Configs<C::kCooperative128x256, C::kCooperative128x256Epi1Stage>;
+using WgradSweep = Configs<C::kCooperative128x256, C::kCooperative256x128Cluster2x1>;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
-using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x192Cluster2x1, C::kPingpong128x192>;
+using ResidualSweep = Configs<C::kCooperative128x256, C::kCooperative256x128Cluster2x1>;
 
 // The norm-folding kernels are built for bf16 only.
 Status check_bf16(DType dtype, const char* op) {
@@ -313,6 +313,10 @@ const char* config_name(Config c) {
     case Config::kPingpong128x192Cluster2x1: return "pingpong_128x192_2x1";
     case Config::kPingpong128x192: return "pingpong_128x192_1x2";
     case Config::kCooperative256x192: return "cooperative_256x192_2x1";
+    case Config::kCooperative256x128Cluster2x1: return "cooperative_256x128_2x1";
+    case Config::kCooperative128x256Epi16: return "cooperative_128x256_2x1_epi128x16";
+    case Config::kCooperative128x256Epi1Stage: return "cooperative_128x256_2x1_epi1stage";
+    case Config::kPingpong128x128Epi64: return "pingpong_128x128_1x2_epi64x64";
   }
   return "unknown";
 }
@@ -341,6 +345,7 @@ const char* kernel_configs(const char* op) {
   static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
   static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
   static const std::string residual = listed(OneConfig{}, ResidualSweep{});
+  static const std::string norm_dgrad = listed(OneConfig{}, NormDgradSweep{});
   static const std::string one = listed(OneConfig{}, OneConfig{});
   const std::string o = op != nullptr ? op : "";
   if (o == "linear") return linear.c_str();
@@ -348,6 +353,7 @@ const char* kernel_configs(const char* op) {
   if (o == "dgrad") return dgrad.c_str();
   if (o == "wgrad") return wgrad.c_str();
   if (o == "linear_residual") return residual.c_str();
+  if (o == "norm_dgrad") return norm_dgrad.c_str();
   return one.c_str();
 }
 
@@ -676,13 +682,19 @@ Status norm_dgrad(DType dtype, const NormDgradArgs& a, void* workspace, size_t w
     }
     return Status::kSuccess;
   }
-  auto p = norm_dgrad_problem(a, choose_norm_dgrad(a), workspace, workspace_bytes, stream);
-  return kernels::norm_dgrad<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, norm_dgrad_epilogue(a));
+  Choice choice = choose_norm_dgrad(a);
+  auto p = norm_dgrad_problem(a, choice, workspace, workspace_bytes, stream);
+  return with_kernel(OneConfig{}, NormDgradSweep{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
+    return kernels::norm_dgrad<DType::kBFloat16, cfg.value>(p, norm_dgrad_epilogue(a));
+  });
 }
 
 size_t norm_dgrad_workspace_size(DType, const NormDgradArgs& a) {
-  auto p = norm_dgrad_problem(a, choose_norm_dgrad(a), nullptr, 0, nullptr);
-  return kernels::norm_dgrad_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, norm_dgrad_epilogue(a));
+  Choice choice = choose_norm_dgrad(a);
+  auto p = norm_dgrad_problem(a, choice, nullptr, 0, nullptr);
+  return with_kernel(OneConfig{}, NormDgradSweep{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
+    return kernels::norm_dgrad_workspace<DType::kBFloat16, cfg.value>(p, norm_dgrad_epilogue(a));
+  });
 }
 
 }  // namespace coda

@@ -32,19 +32,29 @@ struct ElementOf<DType::kFloat16> { using type = cutlass::half_t; };
 template <Config C>
 struct TileConfig;
 
-template <class Tile, class Cluster, class Scheduler = void>
+// EpiTile: the epilogue's subtile, CUTLASS's automatic choice unless named
+// (128x32 for a cooperative 128-row tile, 64x32 for ping-pong). EpiStages:
+// at most this many smem buffers per loaded or stored tensor (0: the recipe's
+// own counts, see EpilogueRecipe).
+using EpilogueTileAuto = cutlass::epilogue::collective::EpilogueTileAuto;
+
+template <class Tile, class Cluster, class Scheduler = void, class EpiTile = EpilogueTileAuto, int EpiStages = 0>
 struct CooperativeTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
+  using EpilogueTile = EpiTile;
+  static constexpr int kEpilogueStages = EpiStages;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
   using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
 };
 
-template <class Tile, class Cluster>
+template <class Tile, class Cluster, class EpiTile = EpilogueTileAuto>
 struct PingpongTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
+  using EpilogueTile = EpiTile;
+  static constexpr int kEpilogueStages = 0;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
   using TileScheduler = void;
@@ -52,6 +62,7 @@ struct PingpongTile {
 
 using cute::_1;
 using cute::_2;
+using cute::_16;
 using cute::_64;
 using cute::_128;
 using cute::_192;
@@ -79,6 +90,18 @@ template <>
 struct TileConfig<Config::kPingpong128x192> : PingpongTile<cute::Shape<_128, _192, _64>, cute::Shape<_1, _2, _1>> {};
 template <>
 struct TileConfig<Config::kCooperative256x192> : CooperativeTile<cute::Shape<_256, _192, _64>, cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative256x128Cluster2x1>
+    : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative128x256Epi16>
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, cute::Shape<_128, _16>> {};
+template <>
+struct TileConfig<Config::kCooperative128x256Epi1Stage>
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, EpilogueTileAuto, 1> {};
+template <>
+struct TileConfig<Config::kPingpong128x128Epi64>
+    : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.
@@ -112,15 +135,16 @@ inline int sm_count(int device) {
 // flight while the previous one is consumed.
 constexpr int kEpilogueLoadStages = 2;
 
-template <class TileShape_, class Element, class Schedule>
+template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
   using EpilogueTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                                Element, cutlass::epilogue::collective::EpilogueTileAuto, Schedule, TileShape>());
+                                Element, EpilogueTileType, Schedule, TileShape>());
   using Stock = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                          TileShape, EpilogueTile, void, Element, Schedule>());
-  static constexpr int StagesC = Stock::StagesC < kEpilogueLoadStages ? Stock::StagesC : kEpilogueLoadStages;
-  static constexpr int StagesD = Stock::StagesD;
+  static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
+  static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
+  static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
                                                                    Stock::ReuseSmemC, Stock::DelayTmaStore>;
 };
@@ -135,7 +159,9 @@ struct Gemm {
 
   // What the epilogue programs read their node parameters from (TileShape,
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
-  using EpilogueDescriptor = EpilogueRecipe<TileShape, Element, typename Tile::EpilogueSchedule>;
+  using EpilogueDescriptor =
+      EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
+                     Tile::kEpilogueStages>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
   // The collective builder's own assembly, with the recipe's dispatch policy.

@@ -287,3 +287,6 @@ Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e) {
 #define CODA_INSTANTIATE_linear_residual_stats(T, C)                                                     \
   template Status linear_residual_stats<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&); \
   template size_t linear_residual_stats_workspace<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&);
+#define CODA_INSTANTIATE_norm_dgrad(T, C)                                                  \
+  template Status norm_dgrad<T, C>(const GemmProblem&, const NormDgradEpilogue&); \
+  template size_t norm_dgrad_workspace<T, C>(const GemmProblem&, const NormDgradEpilogue&);

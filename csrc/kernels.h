@@ -31,6 +31,21 @@ enum class Config : int {
   kPingpong128x192Cluster2x1 = 6,   // 128x192x64 tile, 2x1 cluster, ping-pong
   kPingpong128x192 = 7,             // 128x192x64 tile, 1x2 cluster, ping-pong
   kCooperative256x192 = 8,          // 256x192x64 tile, 2x1 cluster, cooperative
+  // Every smem byte an epilogue holds comes out of the mainloop's stages
+  // (StageCountAutoCarveout), and an instantiation holds buffers for every
+  // node of its program, null at run time or not: with 128x32 subtiles the
+  // cooperative 128x256 linear_act (H store, residual load, D) and norm_dgrad
+  // epilogues take ~50 and ~66 KB and leave 3 mainloop stages of 48 KB where
+  // a plain GEMM gets 4. 128x16 subtiles halve those buffers (4 stages) at
+  // twice the subtiles (Sm90RowReduction's smem needs 128x32: not for
+  // dgrads); one buffer per tensor does too, at a wait for each subtile's
+  // stores; 64x64 subtiles halve ping-pong's subtile count.
+  // 256x128 with a 2x1 cluster is the cooperative tile quack once defaulted
+  // to on sm_90.
+  kCooperative256x128Cluster2x1 = 9,  // 256x128x64 tile, 2x1 cluster, cooperative
+  kCooperative128x256Epi16 = 10,      // as 0, 128x16 epilogue subtiles
+  kPingpong128x128Epi64 = 11,         // as 1, 64x64 epilogue subtiles
+  kCooperative128x256Epi1Stage = 12,  // as 0, one smem buffer per epilogue tensor
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.

@@ -67,6 +67,21 @@ def _time_gpu(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> Dict[str
     return {"median_ms": times[len(times) // 2], "p20_ms": times[len(times) // 5], "p80_ms": times[4 * len(times) // 5]}
 
 
+def _gpu_kernels(fn: Callable[[], object]) -> List[str]:
+    """The names of the GPU kernels one call of fn launches (e.g. which tile,
+    cluster and schedule cuBLAS picked: its kernel names spell them out)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+    except Exception as e:  # the profiler is a diagnosis, never a reason to stop
+        return [f"profiler failed: {type(e).__name__}: {e}"]
+
+
 def _time_cpu(fn: Callable[[], object], reps: int = 5) -> Dict[str, float]:
     fn()
     times = []
@@ -83,7 +98,9 @@ class Runner:
         self.gpu, self.warmup_ms, self.rep_ms = gpu, warmup_ms, rep_ms
         self.results: List[Dict] = []
 
-    def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, **extra) -> Optional[Dict]:
+    def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, with_kernels: bool = False,
+             **extra) -> Optional[Dict]:
+        """with_kernels: also record the names of the kernels fn launches (row["kernels"])."""
         try:
             fn()  # compile / warm up outside the timed region
             t = _time_gpu(fn, self.warmup_ms, self.rep_ms) if self.gpu else _time_cpu(fn)
@@ -93,6 +110,9 @@ class Runner:
         row = {"case": case, "impl": impl, **t, "tflops": flops / t["median_ms"] / 1e9, **extra}
         self.results.append(row)
         print(f"  {case:<28} {impl:<10} {t['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
+        if with_kernels and self.gpu:
+            row["kernels"] = _gpu_kernels(fn)
+            print(f"  {case:<28} {impl} runs {', '.join(row['kernels'])}")
         return row
 
     def paired(self, case: str, impl: str, fn: Callable[[], object], baseline: Callable[[], object], flops: float,
@@ -205,9 +225,9 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
         torch.matmul(da.t(), x)
         torch.matmul(da, w1)
 
-    r.time(case, "cublas", six_gemms, fl)
+    r.time(case, "cublas", six_gemms, fl, with_kernels=True)
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
-    r.time(case, "compile", _grads(compile_mlp, params, dy), fl)
+    r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
     r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
                          "compile": _grads(compile_mlp, params, dy)}, fl)
 
@@ -290,9 +310,9 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
             torch.matmul(dy.t(), x)
 
         r.time(case, "coda", grads(fused), 3 * fl)
-        r.time(case, "cublas", three_gemms, 3 * fl)
+        r.time(case, "cublas", three_gemms, 3 * fl, with_kernels=True)
         r.time(case, "eager", grads(eager), 3 * fl)
-        r.time(case, "compile", grads(compiled[eager]), 3 * fl)
+        r.time(case, "compile", grads(compiled[eager]), 3 * fl, with_kernels=True)
         r.interleaved(case, {"coda": grads(fused), "cublas": three_gemms, "compile": grads(compiled[eager])}, 3 * fl)
         if not layernorm and liger_rms is not None:
             r.time(case, "liger", grads(liger_rms_qkv), 3 * fl)
@@ -412,7 +432,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
     })
     for name, (flops, cublas, impls) in cases.items():
-        r.time(name, "cublas", cublas, flops)
+        r.time(name, "cublas", cublas, flops, with_kernels=True)
         for impl, fn in impls.items():
             r.time(name, impl, fn, flops)
         if "dgrad" in name and "fc2" not in name:  # the raster order of the heavy epilogue
@@ -466,11 +486,23 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
             lambda: torch.matmul(x, w_o.t())),
     }
 
+    # The norm's dgrad of the QKV shape (LayerNorm, every output on): the
+    # heaviest epilogue, two loads and two stores beside D.
+    n = 3 * d
+    xq, wq, dp = rand(m, d), rand(n, d, scale=d**-0.5), rand(m, n)
+    g, beta = (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype), rand(d, scale=0.2)
+    mean, rstd = torch.ops.coda.norm_row_stats(xq, True, 1e-5)
+    c1, c2 = torch.randn(m, device="cuda"), torch.randn(m, device="cuda")
+    gemms[f"qkv_norm_dgrad_{m}x{n}x{d}"] = (
+        2.0 * m * d * n, _configs("norm_dgrad"),
+        lambda: torch.ops.coda.gemm_norm_dgrad(dp, wq, xq, mean, rstd, g, beta, c1, c2, None, True, True),
+        lambda: torch.matmul(dp, wq))
+
     def first(out):
         return out[0] if isinstance(out, (tuple, list)) else out
 
     for name, (flops, configs, fn, cublas) in gemms.items():
-        r.time(name, "cublas", cublas, flops)
+        r.time(name, "cublas", cublas, flops, with_kernels=True)
         torch.ops.coda.set_tuning(-1, -1, -1)
         ref = first(fn()).float()
         for config in configs:

@@ -244,7 +244,7 @@ struct Tuning {
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
 // The configurations an op ("linear", "norm_linear", "dgrad", "wgrad",
-// "linear_residual", ...) is built in, as "value:name,value:name".
+// "linear_residual", "norm_dgrad", ...) is built in, as "value:name,value:name".
 const char* kernel_configs(const char* op);
 
 }  // namespace coda
