@@ -13,6 +13,10 @@ namespace coda::kernels {
 // Tile / cluster / schedule choices. Which fits depends on the shape class:
 // ping-pong overlaps one warp group's epilogue with the other's mainloop,
 // which pays when the epilogue writes a lot (aux stores) relative to K.
+// cuBLAS (CUDA 13.0, H200, the da83443 run's profile) runs these shapes with
+// nvjet kernels of 192x192 tiles (the N-large forward, fc2's dgrad) and
+// 320x128 tiles (the rest), "coopB": neither splits its two warp groups
+// along M as CUTLASS's cooperative builder does.
 enum class Config : int {
   kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
@@ -39,9 +43,12 @@ enum class Config : int {
   // a plain GEMM gets 4. 128x16 subtiles halve those buffers (4 stages) at
   // twice the subtiles (Sm90RowReduction's smem needs 128x32: not for
   // dgrads); one buffer per tensor does too, at a wait for each subtile's
-  // stores; 64x64 subtiles halve ping-pong's subtile count.
-  // 256x128 with a 2x1 cluster is the cooperative tile quack once defaulted
-  // to on sm_90.
+  // stores; 64x64 subtiles halve ping-pong's subtile count. 256x128 with a
+  // 2x1 cluster is the cooperative tile quack once defaulted to on sm_90.
+  // The da83443 sweep, paired with cuBLAS: 12 ran fc2's forward with the
+  // residual at 0.977x against 0 at 1.011x (ahead in each round) and ships
+  // as linear_act's cooperative kernel; on the norm's dgrad it was no better
+  // (1.05-1.07x against 1.03-1.05x). 9, 10 and 11 lost or tied everywhere.
   kCooperative256x128Cluster2x1 = 9,  // 256x128x64 tile, 2x1 cluster, cooperative
   kCooperative128x256Epi16 = 10,      // as 0, 128x16 epilogue subtiles
   kPingpong128x128Epi64 = 11,         // as 1, 64x64 epilogue subtiles

@@ -43,15 +43,16 @@ def test_extension_built_when_required():
 
 
 def test_kernel_configs_listed():
-    # What a tuning sweep may ask for: "value:name" pairs, the default (0) first;
-    # a pip build holds the two shipped configurations only.
+    # What a tuning sweep may ask for: "value:name" pairs, the fallback first;
+    # a pip build holds the shipped configurations only.
     if not coda.kernels_available():
         pytest.skip("the extension is not built here")
-    for op in ("linear", "norm_linear", "dgrad", "wgrad", "linear_residual"):
+    for op in ("linear", "norm_linear", "dgrad", "wgrad", "linear_residual", "norm_dgrad"):
         pairs = [item.split(":") for item in torch.ops.coda.kernel_configs(op).split(",")]
-        assert pairs[0] == ["0", "cooperative_128x256_2x1"], op
+        first = ["12", "cooperative_128x256_2x1_epi1stage"] if op == "linear" else ["0", "cooperative_128x256_2x1"]
+        assert pairs[0] == first, op
         assert all(v.isdigit() and name for v, name in pairs), op
-    assert [v for v, _ in (i.split(":") for i in torch.ops.coda.kernel_configs("linear").split(","))][:2] == ["0", "1"]
+    assert [v for v, _ in (i.split(":") for i in torch.ops.coda.kernel_configs("linear").split(","))][:2] == ["12", "1"]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

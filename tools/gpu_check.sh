@@ -7,7 +7,8 @@
 #   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
-# --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench.
+# --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench,
+# SWEEP_ARGS to its sweep, CODA_CMAKE_ARGS to the build.
 # --sweep builds the candidate configurations too (CODA_SWEEP_CONFIGS) and
 # runs the GPU tests, the norm ops' per-kernel breakdown and the sweep, each
 # candidate checked against the default configuration's output before it is timed.
@@ -80,7 +81,10 @@ python3 -m coda.bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || st
 grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
 if [ "$QUICK" != "--quick" ]; then
   step "kernel-configuration sweep"
-  python3 -m coda.bench --only-sweep --swizzles "${SWIZZLES:-8}" --rep-ms 200 --warmup-ms 50 --out "$OUT" > "$OUT/sweep.log" 2>&1 || status=1
+  # SWEEP_ARGS narrows it (--sweep-cases, --sweep-configs); candidates need
+  # CODA_CMAKE_ARGS=-DCODA_SWEEP_CONFIGS=ON.
+  python3 -m coda.bench --only-sweep --swizzles "${SWIZZLES:-8}" --rep-ms 200 --warmup-ms 50 --out "$OUT" ${SWEEP_ARGS:-} \
+    > "$OUT/sweep.log" 2>&1 || status=1
   tail -100 "$OUT/sweep.log"
 fi
 step "done, status $status"

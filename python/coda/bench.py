@@ -448,12 +448,15 @@ def _configs(op: str) -> List[int]:
 
 
 def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8,), rasters=(1, 2),
-              after_case: Optional[Callable[[], None]] = None) -> None:
+              after_case: Optional[Callable[[], None]] = None, cases: Optional[List[str]] = None,
+              configs: Optional[List[int]] = None) -> None:
     """Every configuration built, raster order and swizzle on the MLP's and o-proj's GEMMs,
     each timed paired with cuBLAS on the same GEMM (Runner.paired).
 
     Each configuration's output is first compared with the default one's, so
     that a candidate which computes something else is reported, not timed.
+    cases / configs, where given, keep the cases whose names contain one of
+    the strings and the configuration values listed.
     """
     torch.manual_seed(0)
 
@@ -481,6 +484,9 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
                                    lambda: torch.matmul(a1, w1)),
         f"fc2_wgrad_{d}x{f}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(dy, a1), lambda: torch.matmul(dy.t(), a1)),
         f"fc1_wgrad_{f}x{d}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(a1, x), lambda: torch.matmul(a1.t(), x)),
+        f"oproj_fwd_residual_{m}x{d}x{d}": (2.0 * m * d * d, lin,
+                                            lambda: torch.ops.coda.gemm_linear(x, w_o, b2, res, 0, False),
+                                            lambda: torch.matmul(x, w_o.t())),
         f"oproj_residual_stats_{m}x{d}x{d}": (
             2.0 * m * d * d, resid, lambda: torch.ops.coda.gemm_linear_residual(x, w_o, b2, res, True, 1e-5),
             lambda: torch.matmul(x, w_o.t())),
@@ -501,11 +507,13 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
     def first(out):
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    for name, (flops, configs, fn, cublas) in gemms.items():
+    if cases:
+        gemms = {name: v for name, v in gemms.items() if any(c in name for c in cases)}
+    for name, (flops, built, fn, cublas) in gemms.items():
         r.time(name, "cublas", cublas, flops, with_kernels=True)
         torch.ops.coda.set_tuning(-1, -1, -1)
         ref = first(fn()).float()
-        for config in configs:
+        for config in (c for c in built if configs is None or c in configs):
             torch.ops.coda.set_tuning(config, -1, -1)
             try:
                 diff = (first(fn()).float() - ref).norm().item() / ref.norm().item()
@@ -551,6 +559,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", choices=["mlp", "norm", "breakdown"],
                    help="run only the MLP cases, only the norm cases, or only the norm ops' per-kernel breakdown")
     p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
+    p.add_argument("--sweep-cases", help="comma-separated: sweep only the GEMMs whose names contain one of these")
+    p.add_argument("--sweep-configs", help="comma-separated configuration values: sweep only these")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
@@ -603,7 +613,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrote {path}")
 
     if gpu and (args.sweep or args.only_sweep):
-        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")), after_case=write)
+        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")), after_case=write,
+                  cases=args.sweep_cases.split(",") if args.sweep_cases else None,
+                  configs=[int(c) for c in args.sweep_configs.split(",")] if args.sweep_configs else None)
     summarize(r.results)
     write()
     return 0
