@@ -148,7 +148,7 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // everywhere; raster order moved times by up to 12%.
 Choice choose_linear(const LinearArgs& a) {
   Choice c;
-  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256Epi1Stage;
+  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
   c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c);
@@ -229,15 +229,12 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
-// linear_act's cooperative kernel keeps one smem buffer per epilogue tensor
-// (kernels.h says why); the da83443 sweep: fc2's forward with the residual
-// 0.977x cuBLAS against 1.011x with two buffers, paired, every round ahead.
-using LinearConfigs = Configs<C::kCooperative128x256Epi1Stage, C::kPingpong128x128>;
-using LinearSweep = Configs<C::kCooperative128x256Epi1Stage, C::kPingpong128x128, C::kCooperative128x256>;
+using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperative128x256Epi1Stage>;
 using DgradSweep = OneConfig;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
-using NormLinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using NormLinearConfigs = LinearConfigs;
 using ResidualSweep = OneConfig;
 using NormDgradSweep = OneConfig;
 
@@ -530,10 +527,7 @@ Choice choose_norm_linear(const NormLinearArgs& a) {
   LinearArgs l;
   l.n = a.n;
   l.k = a.k;
-  Choice c = choose_linear(l);
-  // Its epilogue (35 KB of smem) leaves the mainloop 4 stages with two buffers per tensor.
-  if (c.config == kernels::Config::kCooperative128x256Epi1Stage) c.config = kernels::Config::kCooperative128x256;
-  return c;
+  return choose_linear(l);
 }
 
 Choice choose_norm_dgrad(const NormDgradArgs& a) {

@@ -45,10 +45,12 @@ enum class Config : int {
   // dgrads); one buffer per tensor does too, at a wait for each subtile's
   // stores; 64x64 subtiles halve ping-pong's subtile count. 256x128 with a
   // 2x1 cluster is the cooperative tile quack once defaulted to on sm_90.
-  // The da83443 sweep, paired with cuBLAS: 12 ran fc2's forward with the
-  // residual at 0.977x against 0 at 1.011x (ahead in each round) and ships
-  // as linear_act's cooperative kernel; on the norm's dgrad it was no better
-  // (1.05-1.07x against 1.03-1.05x). 9, 10 and 11 lost or tied everywhere.
+  // Paired with cuBLAS, over the da83443 and 41ee1be runs: 12 against 0 on
+  // fc2's forward with the residual 0.998x against 1.004x (mean of 12
+  // rounds each: noise), on o-proj's 1.067x against 1.044x, on the norm's
+  // dgrad 1.05-1.07x against 1.03-1.05x. 9, 10 and 11 lost or tied
+  // everywhere. The fourth stage does not pay for what it costs the
+  // epilogue; none ships.
   kCooperative256x128Cluster2x1 = 9,  // 256x128x64 tile, 2x1 cluster, cooperative
   kCooperative128x256Epi16 = 10,      // as 0, 128x16 epilogue subtiles
   kPingpong128x128Epi64 = 11,         // as 1, 64x64 epilogue subtiles
