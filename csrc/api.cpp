@@ -230,12 +230,13 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperative128x256Epi1Stage>;
-using DgradSweep = OneConfig;
+using LinearSweep = LinearConfigs;
+// Ping-pong where the heuristics never asked for it: K = N (o-proj's shape).
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
-using ResidualSweep = OneConfig;
+using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.

@@ -12,6 +12,9 @@
 # --sweep builds the candidate configurations too (CODA_SWEEP_CONFIGS) and
 # runs the GPU tests, the norm ops' per-kernel breakdown and the sweep, each
 # candidate checked against the default configuration's output before it is timed.
+# There SWEEP_TESTS=0 / SWEEP_BREAKDOWN=0 leave those steps out, and
+# CODA_TEST_TUNING="config,raster,swizzle" runs the GPU tests once more on the
+# kernels that override picks.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -50,14 +53,21 @@ if [ "$QUICK" = "--sweep" ]; then
     CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
     tail -8 "$OUT/tests.log"
   fi
-  step "per-kernel breakdown of the norm ops"
-  python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
-  grep -E "^  " "$OUT/breakdown.log" | tail -40
+  if [ -n "${CODA_TEST_TUNING:-}" ]; then  # every GPU test again, on the kernels this override picks
+    step "GPU tests with tuning $CODA_TEST_TUNING"
+    CODA_ERRORS_JSON="$OUT/errors-tuned.json" python3 -m pytest tests -q -rs > "$OUT/tests-tuned.log" 2>&1 || status=1
+    tail -4 "$OUT/tests-tuned.log"
+  fi
+  if [ "${SWEEP_BREAKDOWN:-1}" != 0 ]; then
+    step "per-kernel breakdown of the norm ops"
+    python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
+    grep -E "^  " "$OUT/breakdown.log" | tail -40
+  fi
   step "kernel-configuration sweep"
   # A candidate that hangs (a stream-K variant once did) is killed; the
   # results file holds every case finished before it.
   timeout -k 10 ${SWEEP_TIMEOUT:-300} python3 -m coda.bench --only-sweep --rep-ms 100 --warmup-ms 25 --out "$OUT" \
-    > "$OUT/sweep.log" 2>&1 || status=1
+    ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1 || status=1
   tail -120 "$OUT/sweep.log"
   step "done, status $status"
   exit $status

@@ -487,6 +487,8 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
         f"oproj_fwd_residual_{m}x{d}x{d}": (2.0 * m * d * d, lin,
                                             lambda: torch.ops.coda.gemm_linear(x, w_o, b2, res, 0, False),
                                             lambda: torch.matmul(x, w_o.t())),
+        f"oproj_dgrad_{m}x{d}x{d}": (2.0 * m * d * d, dgr, lambda: torch.ops.coda.gemm_dgrad(dy, w_o, None, 0, False),
+                                     lambda: torch.matmul(dy, w_o)),
         f"oproj_residual_stats_{m}x{d}x{d}": (
             2.0 * m * d * d, resid, lambda: torch.ops.coda.gemm_linear_residual(x, w_o, b2, res, True, 1e-5),
             lambda: torch.matmul(x, w_o.t())),
