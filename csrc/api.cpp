@@ -146,9 +146,14 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // K-large ones (fc2) run best cooperative. Every dgrad measured ran best
 // cooperative, ping-pong 1-12% slower (so only the cooperative one is built). Swizzle 8 was best or within noise
 // everywhere; raster order moved times by up to 12%.
+//
+// K = N (o-proj, 4096 -> 4096) runs best ping-pong too, paired with cuBLAS
+// in the 097adc2 sweep: linear + bias + residual 1.003x against 1.039x
+// cooperative, residual-reduce 1.044x against 1.053x; its dgrad stays
+// cooperative (1.014x against 1.034x ping-pong).
 Choice choose_linear(const LinearArgs& a) {
   Choice c;
-  c.config = a.n > a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+  c.config = a.n >= a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
   c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c);
@@ -231,12 +236,12 @@ using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using LinearSweep = LinearConfigs;
-// Ping-pong where the heuristics never asked for it: K = N (o-proj's shape).
+// Ping-pong dgrad: lost on every shape measured, K = N too (097adc2).
 using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
-using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using ResidualConfigs = LinearConfigs;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.
@@ -344,7 +349,7 @@ const char* kernel_configs(const char* op) {
   static const std::string norm_linear = listed(NormLinearConfigs{}, NormLinearConfigs{});
   static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
   static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
-  static const std::string residual = listed(OneConfig{}, ResidualSweep{});
+  static const std::string residual = listed(ResidualConfigs{}, ResidualConfigs{});
   static const std::string norm_dgrad = listed(OneConfig{}, NormDgradSweep{});
   static const std::string one = listed(OneConfig{}, OneConfig{});
   const std::string o = op != nullptr ? op : "";
@@ -538,8 +543,9 @@ Choice choose_norm_dgrad(const NormDgradArgs& a) {
   return choose_dgrad(d);
 }
 
-Choice choose_residual(const LinearResidualArgs&) {
-  Choice c;  // cooperative: the only configuration built
+Choice choose_residual(const LinearResidualArgs& a) {
+  Choice c;  // as choose_linear: ping-pong where K <= N
+  c.config = a.n >= a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
   c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c);
@@ -612,7 +618,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
   if (a.m == 0) return Status::kSuccess;
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, workspace, workspace_bytes, stream);
-  return with_kernel(OneConfig{}, ResidualSweep{}, dtype, choice.config, [&](auto, auto cfg) {
+  return with_kernel(ResidualConfigs{}, ResidualConfigs{}, dtype, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }
@@ -620,7 +626,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
 size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, nullptr, 0, nullptr);
-  return with_kernel(OneConfig{}, ResidualSweep{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
+  return with_kernel(ResidualConfigs{}, ResidualConfigs{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats_workspace<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }
