@@ -544,11 +544,10 @@ Choice choose_norm_dgrad(const NormDgradArgs& a) {
 }
 
 Choice choose_residual(const LinearResidualArgs& a) {
-  Choice c;  // as choose_linear: ping-pong where K <= N
-  c.config = a.n >= a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
-  c.raster = 1;
-  c.swizzle = 8;
-  return apply_tuning(c);
+  LinearArgs l;  // a forward GEMM like linear's, chosen the same way
+  l.n = a.n;
+  l.k = a.k;
+  return choose_linear(l);
 }
 
 }  // namespace
