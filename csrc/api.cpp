@@ -235,10 +235,12 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using LinearSweep = LinearConfigs;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kSplitN192x192, C::kSplitN320x128>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2).
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using WgradSweep = OneConfig;
+// Split-N 192x192 needs a K-major B (each half's 96 columns are not a whole
+// 64-column swizzle atom of an N-major one): not for dgrads or wgrads.
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kSplitN320x128>;
+using WgradSweep = Configs<C::kCooperative128x256, C::kSplitN320x128>;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
 using ResidualConfigs = LinearConfigs;
@@ -322,6 +324,8 @@ const char* config_name(Config c) {
     case Config::kCooperative128x256Epi16: return "cooperative_128x256_2x1_epi128x16";
     case Config::kCooperative128x256Epi1Stage: return "cooperative_128x256_2x1_epi1stage";
     case Config::kPingpong128x128Epi64: return "pingpong_128x128_1x2_epi64x64";
+    case Config::kSplitN192x192: return "splitn_192x192_2x1";
+    case Config::kSplitN320x128: return "splitn_320x128_1x2";
   }
   return "unknown";
 }

@@ -49,6 +49,22 @@ struct CooperativeTile {
   using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
 };
 
+// Cooperative, with the two consumer warp groups splitting the tile along N
+// (each holds TileM x TileN/2) instead of along M as CUTLASS's builder does.
+// That allows tiles whose M is not a multiple of 128 (192x192, 320x128: the
+// shapes of cuBLAS's "coopB" kernels on this GPU). The epilogue's register
+// to smem copy then covers columns of both halves at once (CUTLASS builds it
+// from the MMA's C layout), so the subtile must span the whole tile width:
+// EpiTile is (64, TileN), and EpiStages keeps its buffers few.
+// The copy also reaches across the halves (column j and TileN/2 + j), so
+// the smem swizzle atom must divide TileN/2: SwizzleTile is what the atom is
+// chosen for (64x32: 64-byte swizzle, for TileN/2 = 96).
+template <class Tile, class Cluster, class EpiTile, class SwizzleTile = EpiTile, int EpiStages = 1>
+struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, EpiStages> {
+  static constexpr bool kSplitN = true;
+  using SmemSwizzleTile = SwizzleTile;
+};
+
 template <class Tile, class Cluster, class EpiTile = EpilogueTileAuto>
 struct PingpongTile {
   using TileShape = Tile;
@@ -63,10 +79,12 @@ struct PingpongTile {
 using cute::_1;
 using cute::_2;
 using cute::_16;
+using cute::_32;
 using cute::_64;
 using cute::_128;
 using cute::_192;
 using cute::_256;
+using _320 = cute::Int<320>;
 
 template <>
 struct TileConfig<Config::kCooperative128x256> : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>> {};
@@ -99,6 +117,13 @@ struct TileConfig<Config::kCooperative128x256Epi16>
 template <>
 struct TileConfig<Config::kCooperative128x256Epi1Stage>
     : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, EpilogueTileAuto, 1> {};
+template <>
+struct TileConfig<Config::kSplitN192x192>
+    : CooperativeSplitNTile<cute::Shape<_192, _192, _64>, cute::Shape<_2, _1, _1>, cute::Shape<_64, _192>,
+                            cute::Shape<_64, _32>> {};
+template <>
+struct TileConfig<Config::kSplitN320x128>
+    : CooperativeSplitNTile<cute::Shape<_320, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _128>> {};
 template <>
 struct TileConfig<Config::kPingpong128x128Epi64>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
@@ -135,18 +160,60 @@ inline int sm_count(int device) {
 // flight while the previous one is consumed.
 constexpr int kEpilogueLoadStages = 2;
 
-template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0>
+template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
+          class SwizzleTile = void>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
-  using EpilogueTile = decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
-                                Element, EpilogueTileType, Schedule, TileShape>());
+  // A named subtile is used as given: CUTLASS's helper would refuse the
+  // 64-row subtiles of a cooperative split-N tile, which the collective runs.
+  using EpilogueTile = std::conditional_t<
+      std::is_same_v<EpilogueTileType, EpilogueTileAuto>,
+      decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+               Element, EpilogueTileAuto, Schedule, TileShape>()),
+      EpilogueTileType>;
   using Stock = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                          TileShape, EpilogueTile, void, Element, Schedule>());
+  // What the smem swizzle atoms of D and the aux tensors are chosen for.
+  using SmemSwizzleTile = std::conditional_t<std::is_void_v<SwizzleTile>, EpilogueTile, SwizzleTile>;
   static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
   static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
   static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
                                                                    Stock::ReuseSmemC, Stock::DelayTmaStore>;
+};
+
+template <class Tile, class = void>
+struct SwizzleTileOf {
+  using type = void;
+};
+template <class Tile>
+struct SwizzleTileOf<Tile, std::void_t<typename Tile::SmemSwizzleTile>> {
+  using type = typename Tile::SmemSwizzleTile;
+};
+
+template <class Tile, class = void>
+struct IsSplitN : std::false_type {};
+template <class Tile>
+struct IsSplitN<Tile, std::void_t<decltype(Tile::kSplitN)>> : std::bool_constant<Tile::kSplitN> {};
+
+// The builder's mainloop, or for a split-N tile the same collective with a
+// tiled MMA of two (TileM x TileN/2) warp-group atoms side by side in N.
+template <class Tile, class Built, class Element, class LayoutA, class LayoutB, bool = IsSplitN<Tile>::value>
+struct MainloopFor {
+  using type = Built;
+};
+template <class Tile, class Element, class LayoutA, class LayoutB, class DP, class TS, class EA, class SA, class EB,
+          class SB, class TM, class GA, class LA, class CA, class TA, class GB, class LB, class CB, class TB>
+struct MainloopFor<Tile, cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TM, GA, LA, CA, TA, GB, LB, CB, TB>,
+                   Element, LayoutA, LayoutB, true> {
+  using HalfTile = cute::Shape<decltype(cute::get<0>(TS{})), cute::Int<decltype(cute::get<1>(TS{}))::value / 2>,
+                               decltype(cute::get<2>(TS{}))>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, HalfTile,
+                                 cutlass::gemm::collective::detail::gmma_ss_tag_to_major_A<Element, LayoutA>(),
+                                 cutlass::gemm::collective::detail::gmma_ss_tag_to_major_B<Element, LayoutB>()>(),
+      cute::Layout<cute::Shape<_1, _2, _1>>{}));
+  using type = cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TiledMma, GA, LA, CA, TA, GB, LB, CB, TB>;
 };
 
 template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
@@ -161,17 +228,31 @@ struct Gemm {
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
   using EpilogueDescriptor =
       EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
-                     Tile::kEpilogueStages>;
+                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
-  // The collective builder's own assembly, with the recipe's dispatch policy.
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      TileShape, typename EpilogueDescriptor::EpilogueTile, float, float,
-      void, LayoutD, kAlignment,       // no C: residuals come in through the program's own loads
-      Element, LayoutD, kAlignment,
-      typename EpilogueProgram::Callbacks, typename EpilogueDescriptor::DispatchPolicy>::CollectiveOp;
+  // The collective builder's assembly (Sm90TmaBuilderImpl), with the
+  // recipe's dispatch policy and swizzle. No C: residuals come in through
+  // the program's own loads.
+  using EpiTile = typename EpilogueDescriptor::EpilogueTile;
+  using StrideD_ = cutlass::detail::TagToStrideC_t<LayoutD>;
+  using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveEpilogue<
+      typename EpilogueDescriptor::DispatchPolicy, TileShape, EpiTile,
+      void, StrideD_, Element, StrideD_,
+      typename EpilogueProgram::Callbacks,
+      cute::SM90_TMA_LOAD,
+      decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+               StrideD_, Element, typename EpilogueDescriptor::SmemSwizzleTile>()),
+      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, Element, EpiTile>()),
+      cute::SM90_TMA_STORE,
+      decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+               StrideD_, Element, typename EpilogueDescriptor::SmemSwizzleTile>()),
+      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<StrideD_, Element, EpiTile>()),
+      cute::Copy_Atom<cute::SM90_U32x4_STSM_N, cutlass::half_t>,  // EpiTile's N is a multiple of 16
+      void>;
+  static_assert(cute::size<1>(EpiTile{}) % 16 == 0);
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, LayoutA, kAlignment,
       Element, LayoutB, kAlignment,
@@ -180,7 +261,8 @@ struct Gemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::KernelSchedule>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
+  using Mainloop = typename MainloopFor<Tile, BuiltMainloop, Element, LayoutA, LayoutB>::type;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       CollectiveEpilogue, typename Tile::TileScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 

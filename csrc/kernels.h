@@ -55,6 +55,12 @@ enum class Config : int {
   kCooperative128x256Epi16 = 10,      // as 0, 128x16 epilogue subtiles
   kPingpong128x128Epi64 = 11,         // as 1, 64x64 epilogue subtiles
   kCooperative128x256Epi1Stage = 12,  // as 0, one smem buffer per epilogue tensor
+  // The tiles of cuBLAS's nvjet kernels on these shapes, with the two warp
+  // groups splitting N (gemm.cuh, CooperativeSplitNTile): 192x192 with a 2x1
+  // cluster (fc1's and QKV's forward, fc2's dgrad) and 320x128 with a 1x2
+  // cluster (the rest). Full-width 64-row epilogue subtiles, one buffer each.
+  kSplitN192x192 = 13,  // 192x192x64 tile, 2x1 cluster, cooperative split along N
+  kSplitN320x128 = 14,  // 320x128x64 tile, 1x2 cluster, cooperative split along N
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.

@@ -31,9 +31,24 @@ struct Primitives {
   using Layout = cutlass::layout::RowMajor;
   using Partial = Partials<TileShape>;
 
-  using LoadDesc = cutlass::epilogue::collective::detail::AuxLoadDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StoreDesc = cutlass::epilogue::collective::detail::AuxStoreDescriptor<EpilogueDescriptor, Layout, Element>;
-  using StrideMN = typename LoadDesc::Stride;  // (M, N) row-major with a leading dimension
+  // The smem of the aux tensors, as CUTLASS's Aux{Load,Store}Descriptor
+  // would choose it, except that the swizzle atom is chosen for the
+  // descriptor's SmemSwizzleTile (see CooperativeSplitNTile in gemm.cuh).
+  using StrideMN = cutlass::detail::TagToStrideC_t<Layout>;  // (M, N) row-major with a leading dimension
+  using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+                                  StrideMN, Element, typename EpilogueDescriptor::SmemSwizzleTile>());
+  struct LoadDesc {
+    static constexpr int Stages = EpilogueDescriptor::StagesC;
+    using SmemLayoutAtom = Primitives::SmemLayoutAtom;
+    using CopyOpS2R = decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<
+                               StrideMN, Element, EpilogueTile>());
+  };
+  struct StoreDesc {
+    static constexpr int Stages = EpilogueDescriptor::StagesD;
+    using SmemLayoutAtom = Primitives::SmemLayoutAtom;
+    using CopyOpR2S = decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<
+                               StrideMN, Element, EpilogueTile>());
+  };
   using StrideRowVec = cute::Stride<cute::_0, cute::_1, int64_t>;  // one value per column n
   using StrideColVec = cute::Stride<cute::_1, cute::_0, int64_t>;  // one value per row m
 

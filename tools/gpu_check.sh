@@ -13,8 +13,8 @@
 # runs the GPU tests, the norm ops' per-kernel breakdown and the sweep, each
 # candidate checked against the default configuration's output before it is timed.
 # There SWEEP_TESTS=0 / SWEEP_BREAKDOWN=0 leave those steps out, and
-# CODA_TEST_TUNING="config,raster,swizzle" runs the GPU tests once more on the
-# kernels that override picks.
+# CODA_TEST_TUNING="config,raster,swizzle ..." runs the GPU tests once more
+# per override, on the kernels it picks.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -53,11 +53,14 @@ if [ "$QUICK" = "--sweep" ]; then
     CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
     tail -8 "$OUT/tests.log"
   fi
-  if [ -n "${CODA_TEST_TUNING:-}" ]; then  # every GPU test again, on the kernels this override picks
-    step "GPU tests with tuning $CODA_TEST_TUNING"
-    CODA_ERRORS_JSON="$OUT/errors-tuned.json" python3 -m pytest tests -q -rs > "$OUT/tests-tuned.log" 2>&1 || status=1
-    tail -4 "$OUT/tests-tuned.log"
-  fi
+  # Every GPU test again on the kernels each override picks (space-separated).
+  for tuning in ${CODA_TEST_TUNING:-}; do
+    step "GPU tests with tuning $tuning"
+    tag=${tuning%%,*}
+    CODA_TEST_TUNING=$tuning CODA_ERRORS_JSON="$OUT/errors-tuned-c$tag.json" python3 -m pytest tests -q -rs \
+      > "$OUT/tests-tuned-c$tag.log" 2>&1 || status=1
+    tail -4 "$OUT/tests-tuned-c$tag.log"
+  done
   if [ "${SWEEP_BREAKDOWN:-1}" != 0 ]; then
     step "per-kernel breakdown of the norm ops"
     python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1

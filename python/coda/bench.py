@@ -466,6 +466,7 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
     x, w1, b1 = rand(m, d), rand(f, d, scale=d**-0.5), rand(f)
     a1, w2, b2 = rand(m, f), rand(d, f, scale=f**-0.5), rand(d)
     dy, res, w_o = rand(m, d), rand(m, d), rand(d, d, scale=d**-0.5)
+    w_qkv, b_qkv = rand(3 * d, d, scale=d**-0.5), rand(3 * d)
     lin, dgr, wgr, resid = _configs("linear"), _configs("dgrad"), _configs("wgrad"), _configs("linear_residual")
     fl = 2.0 * m * d * f
     gemms = {
@@ -484,6 +485,9 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
                                    lambda: torch.matmul(a1, w1)),
         f"fc2_wgrad_{d}x{f}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(dy, a1), lambda: torch.matmul(dy.t(), a1)),
         f"fc1_wgrad_{f}x{d}x{m}": (fl, wgr, lambda: torch.ops.coda.gemm_wgrad(a1, x), lambda: torch.matmul(a1.t(), x)),
+        f"qkv_fwd_bias_{m}x{d}x{3 * d}": (2.0 * m * d * 3 * d, lin,
+                                         lambda: torch.ops.coda.gemm_linear(x, w_qkv, b_qkv, None, 0, False),
+                                         lambda: torch.matmul(x, w_qkv.t())),
         f"oproj_fwd_residual_{m}x{d}x{d}": (2.0 * m * d * d, lin,
                                             lambda: torch.ops.coda.gemm_linear(x, w_o, b2, res, 0, False),
                                             lambda: torch.matmul(x, w_o.t())),
