@@ -24,10 +24,17 @@ def poison_cuda_allocator(nbytes: int) -> None:
 MEASURED = []
 
 
-def within_torch_error(name: str, err: float, torch_err: float, slack: float = 1.1) -> None:
+def within_torch_error(name: str, err: float, torch_err: float, slack: float = 1.1, numel: int = 0) -> None:
     """The fused result may be no worse than the unfused torch path in the same
-    dtype; `slack` absorbs rounding luck on a single draw."""
+    dtype; `slack` absorbs rounding luck on a single draw.
+
+    With `numel` (the elements the norms run over), the slack grows by
+    2/sqrt(numel): a relative error over n roundings is itself an estimate
+    whose relative spread is about 1/sqrt(n), so two of them over 512
+    elements (a one-row gradient) differ by several percent by luck alone."""
     MEASURED.append((name, err, torch_err))
     assert err == err, f"{name}: NaN in output (an element was not written?)"
+    if numel > 0:
+        slack += 2.0 / numel**0.5
     bound = slack * torch_err + 1e-7
     assert err <= bound, f"{name}: error {err:.3e} exceeds torch's {torch_err:.3e} (bound {bound:.3e})"

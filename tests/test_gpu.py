@@ -44,10 +44,10 @@ def check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, check_grads=Tru
     torch.cuda.synchronize()
     y64, grads64 = run(ref_fn, [None if t is None else t.double() for t in inputs], dy.double())
     yt, gradst = run(ref_fn, inputs, dy)
-    within_torch_error(f"{name} out", rel_err(y, y64), rel_err(yt, y64))
+    within_torch_error(f"{name} out", rel_err(y, y64), rel_err(yt, y64), numel=y64.numel())
     for i, (g, g64, gt) in enumerate(zip(grads, grads64, gradst)):
         if g64 is not None:
-            within_torch_error(f"{name} grad[{i}]", rel_err(g, g64), rel_err(gt, g64))
+            within_torch_error(f"{name} grad[{i}]", rel_err(g, g64), rel_err(gt, g64), numel=g64.numel())
 
 
 LINEAR_SHAPES = [(1000, 1032, 3000), (1, 1032, 3000), (7, 256, 512), (32768, 1024, 1024)]
