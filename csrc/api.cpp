@@ -235,12 +235,14 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
 using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kSplitN192x192, C::kSplitN320x128>;
+// A sweep lists its candidates here and in CMakeLists.txt. The split-N tiles
+// (13 for linear only: each half's 96 columns are not a whole 64-column
+// swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
+// ec92be5 sweep's.
+using LinearSweep = LinearConfigs;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2).
-// Split-N 192x192 needs a K-major B (each half's 96 columns are not a whole
-// 64-column swizzle atom of an N-major one): not for dgrads or wgrads.
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kSplitN320x128>;
-using WgradSweep = Configs<C::kCooperative128x256, C::kSplitN320x128>;
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
 using ResidualConfigs = LinearConfigs;

@@ -59,6 +59,12 @@ enum class Config : int {
   // groups splitting N (gemm.cuh, CooperativeSplitNTile): 192x192 with a 2x1
   // cluster (fc1's and QKV's forward, fc2's dgrad) and 320x128 with a 1x2
   // cluster (the rest). Full-width 64-row epilogue subtiles, one buffer each.
+  // They pass every GPU test, and lose everywhere (the ec92be5 sweep, paired
+  // with cuBLAS): 13 1.18-1.33x, 14 1.08-1.26x (1.24x on a wgrad, whose
+  // epilogue only stores D), where the shipped kernels ran 1.00-1.08x. Each
+  // warp group's wgmma is half as wide (64x96, 64x64 atoms), reading more
+  // smem per MAC, and the 320-row tile leaves 3 mainloop stages. Whatever
+  // cuBLAS's "coopB" does, this is not it.
   kSplitN192x192 = 13,  // 192x192x64 tile, 2x1 cluster, cooperative split along N
   kSplitN320x128 = 14,  // 320x128x64 tile, 1x2 cluster, cooperative split along N
 };

@@ -50,7 +50,7 @@ if [ "$QUICK" = "--sweep" ]; then
   # otherwise, so its GPU tests are those of the shipped choices.
   if [ "${SWEEP_TESTS:-1}" != 0 ]; then  # SWEEP_TESTS=0: the sweep alone, where the shipped kernels did not change
     step "GPU tests"
-    CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
+    CODA_TEST_TUNING= CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
     tail -8 "$OUT/tests.log"
   fi
   # Every GPU test again on the kernels each override picks (space-separated).
@@ -77,7 +77,7 @@ if [ "$QUICK" = "--sweep" ]; then
 fi
 
 step "GPU tests"
-CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
+CODA_TEST_TUNING= CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
 python3 -c "import json; d=json.load(open('$OUT/errors.json')); print('worst coda/torch error ratio over', len(d['checks']), 'checks:', d['worst_ratio_to_torch'])" || true
 tail -25 "$OUT/tests.log"
 
