@@ -94,8 +94,8 @@ def _time_cpu(fn: Callable[[], object], reps: int = 5) -> Dict[str, float]:
 
 
 class Runner:
-    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int):
-        self.gpu, self.warmup_ms, self.rep_ms = gpu, warmup_ms, rep_ms
+    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int, rounds: int = 5):
+        self.gpu, self.warmup_ms, self.rep_ms, self.rounds = gpu, warmup_ms, rep_ms, rounds
         self.results: List[Dict] = []
 
     def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, with_kernels: bool = False,
@@ -141,13 +141,15 @@ class Runner:
               flush=True)
         return row
 
-    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float, rounds: int = 3) -> None:
+    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float,
+                    rounds: Optional[int] = None) -> None:
         """The impls timed in turn, `rounds` times over: the GPU's clock drifts
         with its temperature and power over a run, by up to 2% between two
         timings of one kernel here, and alternating spreads that over all impls
         alike. Rows are `<case>_interleaved`, median_ms the median of the rounds'."""
         if not self.gpu:
             return
+        rounds = rounds or self.rounds
         rows: Dict[str, List[float]] = {name: [] for name in impls}
         try:
             for fn in impls.values():
@@ -570,6 +572,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the interleaved timings")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
 
@@ -586,7 +589,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"coda.bench: {why}; timing the reference path on the CPU at tokens={m} hidden={d} ffn={f}.")
         dtype = torch.float32
 
-    r = Runner(gpu, args.warmup_ms, args.rep_ms)
+    r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds)
     device = "cuda" if gpu else "cpu"
     if not args.only_sweep:
         if args.only in (None, "mlp"):
