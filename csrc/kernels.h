@@ -16,7 +16,8 @@ namespace coda::kernels {
 // cuBLAS (CUDA 13.0, H200, the da83443 run's profile) runs these shapes with
 // nvjet kernels of 192x192 tiles (the N-large forward, fc2's dgrad) and
 // 320x128 tiles (the rest), "coopB": neither splits its two warp groups
-// along M as CUTLASS's cooperative builder does.
+// along M as CUTLASS's cooperative builder does (13 and 14 below split them
+// along N, and lose).
 enum class Config : int {
   kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
