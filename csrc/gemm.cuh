@@ -173,8 +173,12 @@ struct EpilogueRecipe {
       EpilogueTileType>;
   using Stock = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                          TileShape, EpilogueTile, void, Element, Schedule>());
-  // What the smem swizzle atoms of D and the aux tensors are chosen for.
+  // The smem swizzle atom of D and of every aux tensor (all row-major
+  // Element), chosen for SmemSwizzleTile.
   using SmemSwizzleTile = std::conditional_t<std::is_void_v<SwizzleTile>, EpilogueTile, SwizzleTile>;
+  using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+                                  cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>, Element,
+                                  SmemSwizzleTile>());
   static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
   static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
   static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
@@ -240,13 +244,9 @@ struct Gemm {
       typename EpilogueDescriptor::DispatchPolicy, TileShape, EpiTile,
       void, StrideD_, Element, StrideD_,
       typename EpilogueProgram::Callbacks,
-      cute::SM90_TMA_LOAD,
-      decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
-               StrideD_, Element, typename EpilogueDescriptor::SmemSwizzleTile>()),
+      cute::SM90_TMA_LOAD, typename EpilogueDescriptor::SmemLayoutAtom,
       decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, Element, EpiTile>()),
-      cute::SM90_TMA_STORE,
-      decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
-               StrideD_, Element, typename EpilogueDescriptor::SmemSwizzleTile>()),
+      cute::SM90_TMA_STORE, typename EpilogueDescriptor::SmemLayoutAtom,
       decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<StrideD_, Element, EpiTile>()),
       cute::Copy_Atom<cute::SM90_U32x4_STSM_N, cutlass::half_t>,  // EpiTile's N is a multiple of 16
       void>;

@@ -32,11 +32,10 @@ struct Primitives {
   using Partial = Partials<TileShape>;
 
   // The smem of the aux tensors, as CUTLASS's Aux{Load,Store}Descriptor
-  // would choose it, except that the swizzle atom is chosen for the
-  // descriptor's SmemSwizzleTile (see CooperativeSplitNTile in gemm.cuh).
+  // would choose it, except that the swizzle atom is the descriptor's (see
+  // CooperativeSplitNTile in gemm.cuh).
   using StrideMN = cutlass::detail::TagToStrideC_t<Layout>;  // (M, N) row-major with a leading dimension
-  using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
-                                  StrideMN, Element, typename EpilogueDescriptor::SmemSwizzleTile>());
+  using SmemLayoutAtom = typename EpilogueDescriptor::SmemLayoutAtom;
   struct LoadDesc {
     static constexpr int Stages = EpilogueDescriptor::StagesC;
     using SmemLayoutAtom = Primitives::SmemLayoutAtom;
