@@ -25,8 +25,7 @@ def pytest_sessionstart(session):
     # so a candidate meets the same checks before it ships.
     tuning = os.environ.get("CODA_TEST_TUNING")
     if tuning and _kernels.available():
-        config, raster, swizzle = (int(v) for v in tuning.split(","))
-        torch.ops.coda.set_tuning(config, raster, swizzle)
+        torch.ops.coda.set_tuning(*(int(v) for v in tuning.split(",")))  # config,raster,swizzle[,prefetch]
 
 
 def pytest_collection_modifyitems(config, items):
