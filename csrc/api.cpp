@@ -110,7 +110,6 @@ struct Choice {
   kernels::Config config = kernels::Config::kCooperative128x256;
   int raster = 0;   // 0: CUTLASS's heuristic, 1: along M, 2: along N
   int swizzle = 1;
-  bool prefetch = true;  // the epilogue's loaded tensors into L2 ahead of it (epilogue_prefetch.cuh)
 };
 
 // Tuning overrides (benchmark sweeps) win over the heuristics.
@@ -119,7 +118,6 @@ Choice apply_tuning(Choice c) {
   if (t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
-  if (t.prefetch >= 0) c.prefetch = t.prefetch != 0;
   return c;
 }
 
@@ -136,7 +134,6 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
   p.stream = stream;
   p.raster = choice.raster;
   p.swizzle = choice.swizzle;
-  p.prefetch = choice.prefetch;
   return p;
 }
 
@@ -390,7 +387,6 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
-  e.save_derivative = a.save_derivative;
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
   return with_kernel(LinearConfigs{}, LinearSweep{}, dtype, choice.config,
@@ -412,9 +408,8 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
   if (a.dbias != nullptr && !aligned16(a.dbias)) return detail::fail(Status::kMisaligned, "dbias must be 16-byte aligned");
-  if ((a.activation != Activation::kIdentity || a.pre_act_is_derivative) && a.pre_act == nullptr) {
-    return detail::fail(Status::kInvalidArgument,
-                        "pre_act is required when activation is not identity or pre_act_is_derivative is set");
+  if (a.activation != Activation::kIdentity && a.pre_act == nullptr) {
+    return detail::fail(Status::kInvalidArgument, "pre_act is required when activation is not identity");
   }
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) {
@@ -429,9 +424,6 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   if (a.norm_c1 != nullptr) {
     CODA_RETURN_IF_ERROR(check_bf16(dtype, "dgrad with norm row dots"));
     if (a.pre_act == nullptr) return detail::fail(Status::kInvalidArgument, "pre_act is required for the norm row dots");
-    if (a.pre_act_is_derivative) {
-      return detail::fail(Status::kInvalidArgument, "the norm row dots need pre_act to hold H, not act'(H)");
-    }
     CODA_RETURN_IF_ERROR(check_vector("norm_shift", a.norm_shift, false));
     CODA_RETURN_IF_ERROR(check_vector("norm_col_sum", a.norm_col_sum, false));
     return kernels::dact_rowdot<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
@@ -440,7 +432,6 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
-  e.pre_act_is_derivative = a.pre_act_is_derivative;
   e.dbias = a.dbias;
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });

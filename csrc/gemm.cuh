@@ -17,7 +17,6 @@
 
 #include <string>
 
-#include "epilogue_prefetch.cuh"
 #include "error.h"
 #include "kernels.h"
 
@@ -262,7 +261,7 @@ struct Gemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::KernelSchedule>::CollectiveOp;
 
-  using Mainloop = PrefetchingMainloop<typename MainloopFor<Tile, BuiltMainloop, Element, LayoutA, LayoutB>::type>;
+  using Mainloop = typename MainloopFor<Tile, BuiltMainloop, Element, LayoutA, LayoutB>::type;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       CollectiveEpilogue, typename Tile::TileScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -279,17 +278,11 @@ struct Gemm {
     hw_info.device_id = device;
     hw_info.sm_count = sm_count(device);
 
-    EpiloguePrefetch prefetch;
-    if (p.prefetch) prefetch = p.epilogue_prefetch;
-    prefetch.m = p.m;
-    prefetch.n = p.n;
-    prefetch.element_bytes = int(sizeof(Element));
     typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {int(p.m), int(p.n), int(p.k), 1},
-        {{static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
-          static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
-         prefetch},
+        {static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
+         static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
         {EpilogueProgram::to_callbacks(epilogue), nullptr, stride_from_ld<StrideD>(p.ldd),
          static_cast<Element*>(p.d), stride_from_ld<StrideD>(p.ldd)},
         hw_info};

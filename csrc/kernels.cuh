@@ -53,15 +53,6 @@ class Scratch {
   size_t used_ = 0;
 };
 
-// p with the (M, N) tensors its epilogue loads named for the L2 prefetch.
-inline GemmProblem prefetching(GemmProblem p, const void* a, int64_t lda, const void* b = nullptr, int64_t ldb = 0) {
-  p.epilogue_prefetch.ptr[0] = a;
-  p.epilogue_prefetch.ld[0] = lda;
-  p.epilogue_prefetch.ptr[1] = b;
-  p.epilogue_prefetch.ld[1] = ldb;
-  return p;
-}
-
 template <DType T, Config C>
 Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
   using G = LinearActGemm<T, C>;
@@ -71,11 +62,9 @@ Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
   a.pre_act = static_cast<E*>(e.pre_act);
   a.ld_pre_act = e.ld_pre_act;
   a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-  a.save_derivative = e.save_derivative;
   a.residual = static_cast<E const*>(e.residual);
   a.ld_residual = e.ld_residual;
-  return with_workspace<G>(prefetching(p, e.residual, e.ld_residual), 0,
-                           [&](const GemmProblem& q, char*) { return G::run(q, a); });
+  return with_workspace<G>(p, 0, [&](const GemmProblem& q, char*) { return G::run(q, a); });
 }
 
 template <DType T, Config C>
@@ -101,12 +90,11 @@ Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e) {
   using E = typename G::Element;
   using P = typename G::EpilogueProgram::Partial;
   const size_t extra = e.dbias != nullptr ? dact_dbias_partials_bytes<T, C>(p) : 0;
-  return with_workspace<G>(prefetching(p, e.pre_act, e.ld_pre_act), extra, [&](const GemmProblem& q, char* scratch) {
+  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
     typename G::EpilogueProgram::Arguments a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
     a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-    a.pre_act_is_derivative = e.pre_act_is_derivative;
     a.dbias_partials = e.dbias != nullptr ? reinterpret_cast<float*>(scratch) : nullptr;
     Status s = G::run(q, a);
     if (s == Status::kSuccess && e.dbias != nullptr) {
@@ -176,7 +164,7 @@ Status linear_residual_stats(const GemmProblem& p, const LinearResidualStatsEpil
   using E = typename G::Element;
   using P = typename G::EpilogueProgram::Partial;
   const size_t extra = linear_residual_stats_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(prefetching(p, e.residual, e.ld_residual), extra, [&](const GemmProblem& q, char* scratch) {
+  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
     typename G::EpilogueProgram::Arguments a;
     a.bias = static_cast<E const*>(e.bias);
     a.residual = static_cast<E const*>(e.residual);
@@ -216,7 +204,7 @@ Status dact_rowdot(const GemmProblem& p, const DActRowDotEpilogue& e) {
   using E = typename G::Element;
   using P = typename G::EpilogueProgram::Partial;
   const size_t extra = dact_rowdot_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(prefetching(p, e.pre_act, e.ld_pre_act), extra, [&](const GemmProblem& q, char* scratch) {
+  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
     typename G::EpilogueProgram::Arguments a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
@@ -260,8 +248,7 @@ Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e) {
   using E = typename G::Element;
   using P = typename G::EpilogueProgram::Partial;
   const size_t extra = norm_dgrad_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(prefetching(p, e.x, e.ld_x, e.residual_grad, e.ld_residual_grad), extra,
-                           [&](const GemmProblem& q, char* scratch) {
+  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
     typename G::EpilogueProgram::Arguments a;
     a.x = static_cast<E const*>(e.x);
     a.ld_x = e.ld_x;

@@ -70,16 +70,6 @@ enum class Config : int {
   kSplitN320x128 = 14,  // 320x128x64 tile, 1x2 cluster, cooperative split along N
 };
 
-// (M, N) tensors the epilogue reads, prefetched into L2 tile by tile ahead of
-// it (epilogue_prefetch.cuh); null: none.
-struct EpiloguePrefetch {
-  static constexpr int kTensors = 2;
-  const void* ptr[kTensors] = {};
-  int64_t ld[kTensors] = {};  // elements
-  int64_t m = 0, n = 0;       // set from the problem
-  int element_bytes = 2;
-};
-
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
 struct GemmProblem {
   int64_t m = 0, n = 0, k = 0;
@@ -91,8 +81,6 @@ struct GemmProblem {
   int64_t ldd = 0;
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
   int swizzle = 1;
-  bool prefetch = true;      // prefetch the epilogue's loaded tensors into L2
-  EpiloguePrefetch epilogue_prefetch;  // what to prefetch (the kernel's op fills it)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
@@ -103,7 +91,6 @@ struct LinearActEpilogue {
   void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
   int activation = 0;
-  bool save_derivative = false;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
 };
@@ -112,7 +99,6 @@ struct DActDBiasEpilogue {
   const void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
   int activation = 0;
-  bool pre_act_is_derivative = false;
   void* dbias = nullptr;
 };
 

@@ -26,9 +26,6 @@ enum class ActivationKind : int {
 
 struct ActivationArguments {
   ActivationKind kind = ActivationKind::kIdentity;
-  // The tensor saved for the backward holds act'(H) instead of H
-  // (RuntimeSavedForBackward stores it, RuntimeActivationGrad multiplies by it).
-  bool derivative = false;
 };
 
 namespace detail {
@@ -111,42 +108,11 @@ struct RuntimeActivation<cutlass::Array<T, N>> {
   }
 };
 
-// What the forward saves for the backward: H, or act'(H) when args.derivative.
-// Saving the derivative moves act' (a tanh or an erf and ~10 FMAs per element
-// for GELU) out of the dgrad's epilogue, which a cooperative kernel cannot
-// overlap with its MMAs, into the forward's, which ping-pong overlaps; the
-// dgrad then multiplies. Same bytes, and one rounding (of act'(H)) in place of
-// another (torch's path rounds dY·W before it multiplies).
-template <class T>
-struct RuntimeSavedForBackward {
-  using Arguments = ActivationArguments;
-  CUTLASS_DEVICE T operator()(T const& h, Arguments const& args) const {
-    if (!args.derivative) return h;
-    return detail::dispatch(args.kind, [&](auto k) { return T(detail::act_grad<decltype(k)::value>(float(h))); });
-  }
-};
-
-template <class T, int N>
-struct RuntimeSavedForBackward<cutlass::Array<T, N>> {
-  using Arguments = ActivationArguments;
-  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& h, Arguments const& args) const {
-    if (!args.derivative) return h;
-    return detail::dispatch(args.kind, [&](auto k) {
-      cutlass::Array<T, N> g;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < N; ++i) g[i] = T(detail::act_grad<decltype(k)::value>(float(h[i])));
-      return g;
-    });
-  }
-};
-
-// dh = dy * act'(h): the backward of RuntimeActivation, fed the saved
-// pre-activation, or dh = dy * saved when the forward saved act'(H).
+// dh = dy * act'(h): the backward of RuntimeActivation, fed the saved pre-activation.
 template <class T>
 struct RuntimeActivationGrad {
   using Arguments = ActivationArguments;
   CUTLASS_DEVICE T operator()(T const& dy, T const& h, Arguments const& args) const {
-    if (args.derivative) return T(float(dy) * float(h));
     return detail::dispatch(args.kind,
                             [&](auto k) { return T(float(dy) * detail::act_grad<decltype(k)::value>(float(h))); });
   }
@@ -157,12 +123,6 @@ struct RuntimeActivationGrad<cutlass::Array<T, N>> {
   using Arguments = ActivationArguments;
   CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& dy, cutlass::Array<T, N> const& h,
                                                  Arguments const& args) const {
-    if (args.derivative) {
-      cutlass::Array<T, N> dh;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < N; ++i) dh[i] = T(float(dy[i]) * float(h[i]));
-      return dh;
-    }
     return detail::dispatch(args.kind, [&](auto k) {
       cutlass::Array<T, N> dh;
       CUTLASS_PRAGMA_UNROLL

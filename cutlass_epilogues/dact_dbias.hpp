@@ -46,14 +46,13 @@ struct DActDBias {
     Element const* pre_act = nullptr;      // (M, N) H, or null
     int64_t ld_pre_act = 0;
     ActivationKind activation = ActivationKind::kIdentity;
-    bool pre_act_is_derivative = false;    // pre_act holds act'(H): dH = acc * pre_act
     float* dbias_partials = nullptr;       // Partial::per_col_floats(M, N), or null
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
     return {
         {                                        // reduce_M(act_grad(acc, H))
-            {{}, {a.pre_act, Element(0), P::matrix(a.ld_pre_act)}, {a.activation, a.pre_act_is_derivative}},  // act_grad(acc, H)
+            {{}, {a.pre_act, Element(0), P::matrix(a.ld_pre_act)}, {a.activation}},  // act_grad(acc, H)
             {a.dbias_partials, 0.f, {}}},  // reduce_M -> partials
         {}};                                     // convert
   }

@@ -1,21 +1,16 @@
-// Epilogue program: Y = act(acc + bias) + residual, optionally storing H = acc + bias
-// or act'(H) for the backward.
+// Epilogue program: Y = act(acc + bias) + residual, optionally storing H = acc + bias.
 //
-// The forward of a Linear (+ activation) (+ residual add). What the
-// backward's act' needs is stored here, while the tile is on chip, instead of
-// re-read from Y later: H itself, or act'(H) (RuntimeSavedForBackward, see
-// activation.hpp), which leaves the dgrad's epilogue a multiply. Every leaf
-// is optional at run time (a null pointer turns it off), so one instantiation
-// covers linear, linear+bias, +activation, +residual, and training (H or
-// act'(H) stored) or inference (nothing stored).
+// The forward of a Linear (+ activation) (+ residual add). H, the
+// pre-activation, is what the backward's act' needs; storing it here costs
+// one extra write of the tile while it is on chip instead of a re-read of Y
+// later. Every leaf is optional at run time (a null pointer turns it off), so
+// one instantiation covers linear, linear+bias, +activation, +residual, and
+// training (H stored) or inference (not stored).
 //
-// H feeds two trees (CUTLASS's split-tree visitor: the input tree once, its
-// value handed to each output tree as their "accumulator"):
-//
-//   H = plus(acc, bias[n])                     Sm90RowBroadcast (null: 0)
-//   store(saved(H))                            Sm90AuxStore (null: skipped), H or act'(H)
 //   Y = plus(                                  root, converted to Element
-//         act(H),                              RuntimeActivation, kind at run time
+//         act(                                 RuntimeActivation, kind at run time
+//           store_H(                           Sm90AuxStore (null: skipped)
+//             plus(acc, bias[n]))),            Sm90RowBroadcast (null: 0)
 //         residual[m, n])                      Sm90AuxLoad (null: 0, no loads)
 #pragma once
 
@@ -35,38 +30,29 @@ struct LinearAct {
   using Compute = typename P::template Compute<Fn, Out>;
 
   using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus>, typename P::Acc, typename P::PerCol>;
-  using H = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Save = cutlass::epilogue::fusion::Sm90EVT<
-      typename P::Store, cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeSavedForBackward>, H>>;
-  using Output = cutlass::epilogue::fusion::Sm90EVT<
-      Compute<cutlass::plus, Element>, cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation>, H>,
-      typename P::Load>;
-  using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<PreAct, Output, Save>;
+  using StoreH = cutlass::epilogue::fusion::Sm90EVT<typename P::Store, PreAct>;
+  using Act = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation>, StoreH>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::plus, Element>, Act, typename P::Load>;
 
   // The run-time leaves, in the order the tree reads them.
   struct Arguments {
     Element const* bias = nullptr;         // (N) or null
-    Element* pre_act = nullptr;            // (M, N) H or act'(H), or null
+    Element* pre_act = nullptr;            // (M, N) H, or null
     int64_t ld_pre_act = 0;
     ActivationKind activation = ActivationKind::kIdentity;
-    bool save_derivative = false;          // pre_act receives act'(H)
     Element const* residual = nullptr;     // (M, N) or null
     int64_t ld_residual = 0;
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
-    // Nothing stored: saved() passes H through (no act' computed).
-    const bool derivative = a.save_derivative && a.pre_act != nullptr;
-    // The split tree's arguments: the input tree, the aux output trees, the output tree.
     return {
-        {{}, {a.bias, Element(0), {}}, {}},      // H = acc + bias
-        {                                        // store(saved(H))
-            {{}, {a.activation, derivative}},    // saved(H)
-            {a.pre_act, P::matrix(a.ld_pre_act)}},  // store
-        {                                        // Y = act(H) + residual
-            {{}, {a.activation}},                // act(H)
-            {a.residual, Element(0), P::matrix(a.ld_residual)},  // residual
-            {}}};                                // plus
+        {                                        // act(store_H(acc + bias))
+            {                                    // store_H(acc + bias)
+                {{}, {a.bias, Element(0), {}}, {}},  // acc + bias
+                {a.pre_act, P::matrix(a.ld_pre_act)}},  // store_H
+            {a.activation}},                     // act
+        {a.residual, Element(0), P::matrix(a.ld_residual)},  // residual
+        {}};                                     // plus
   }
 };
 

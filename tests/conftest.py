@@ -25,7 +25,8 @@ def pytest_sessionstart(session):
     # so a candidate meets the same checks before it ships.
     tuning = os.environ.get("CODA_TEST_TUNING")
     if tuning and _kernels.available():
-        torch.ops.coda.set_tuning(*(int(v) for v in tuning.split(",")))  # config,raster,swizzle[,prefetch]
+        config, raster, swizzle = (int(v) for v in tuning.split(","))
+        torch.ops.coda.set_tuning(config, raster, swizzle)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -119,9 +119,7 @@ def test_linear_gradcheck(activation, bias):
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("saves_derivative", [True, False])
-def test_mlp_gradcheck(activation, saves_derivative, monkeypatch):
-    monkeypatch.setattr(coda.ops, "MLP_SAVES_DERIVATIVE", saves_derivative)
+def test_mlp_gradcheck(activation):
     ts = make_mlp(4, 6, 10, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda x, w1, b1, w2, b2, r: coda.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r), ts)
@@ -146,17 +144,14 @@ def test_opcheck_ops():
     # inference: nothing saved, nothing to differentiate
     torch.library.opcheck(torch.ops.coda.linear.default, (x.detach(), w.detach(), None, 2, False))
     ts = make_mlp(6, 8, 16, requires_grad=True)
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts, 1, True, True))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts, 1, True, False))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts[:5], None, 0, True, True))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*(t.detach() for t in ts[:5]), None, 3, False, True))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts, 1, True))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts[:5], None, 0, True))
+    torch.library.opcheck(torch.ops.coda.mlp.default, (*(t.detach() for t in ts[:5]), None, 3, False))
     dy = torch.randn(6, 8)
     x, w1, _, w2, _, _ = (t.detach() for t in ts)
     h1, a1 = torch.randn(6, 16), torch.randn(6, 16)
     torch.library.opcheck(torch.ops.coda.mlp_backward.default,
-                          (dy, x, w1, w2, h1, a1, 1, False, True, True, True, True, True))
-    torch.library.opcheck(torch.ops.coda.mlp_backward.default,
-                          (dy, x, w1, w2, h1, a1, 1, True, True, True, True, True, True))
+                          (dy, x, w1, w2, h1, a1, 1, True, True, True, True, True))
     torch.library.opcheck(torch.ops.coda.linear_backward.default,
                           (torch.randn(6, 16), x, torch.randn(16, 8), h1, 4, True, True, True))
 

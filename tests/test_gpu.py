@@ -108,14 +108,11 @@ def test_mlp_shapes(m, d, f, dtype, seed):
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias,residual", [(True, True), (False, False)])
-@pytest.mark.parametrize("saves_derivative", [True, False])
-def test_mlp_activations(activation, bias, residual, saves_derivative, seed, monkeypatch):
-    # Both things the forward can keep for act': act'(h1) (the default) and h1.
-    monkeypatch.setattr(coda.ops, "MLP_SAVES_DERIVATIVE", saves_derivative)
+def test_mlp_activations(activation, bias, residual, seed):
     m, d, f, dtype = 1000, 1032, 3000, torch.bfloat16
     inputs = mlp_inputs(m, d, f, dtype, bias=bias, residual=residual)
     dy = rand(m, d, dtype=dtype)
-    check_against_torch(f"mlp {activation} saves_derivative={saves_derivative} seed={seed}",
+    check_against_torch(f"mlp {activation} seed={seed}",
                         lambda x, w1, b1, w2, b2, r: coda.ops.mlp(x, w1, b1, w2, b2, activation, r),
                         lambda x, w1, b1, w2, b2, r: reference.mlp_ref(x, w1, b1, w2, b2, activation, r),
                         inputs, dy, 8 * m * f * 2)
@@ -148,31 +145,6 @@ def test_dgrad_epilogue_alone(activation, seed):
                        rel_err(reference.bias_grad(unfused), ref.sum(0)))
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS[1:])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_saved_derivative_alone(activation, dtype, seed):
-    # The forward's act'(h) output, and the dgrad that multiplies by it, straight
-    # from the kernel ops, on a shape that is not a tile multiple.
-    m, k, n = 1000, 1032, 3000
-    x, w, b = rand(m, k, dtype=dtype), rand(n, k, dtype=dtype, scale=k**-0.5), rand(n, dtype=dtype)
-    act = coda._activations.code(activation)
-    poison_cuda_allocator(4 * m * n * 2)
-    y, g = torch.ops.coda.gemm_linear(x, w, b, None, act, True, True)
-    y_h, h = torch.ops.coda.gemm_linear(x, w, b, None, act, True, False)
-    h64 = x.double() @ w.double().t() + b.double()
-    g64 = coda._activations.grad(h64, act)
-    gt = reference.saved_for_backward(F.linear(x, w, b), act, True)  # torch: h rounded, then act'
-    within_torch_error(f"saved act' {activation} {dtype} seed={seed}", rel_err(g, g64), rel_err(gt, g64))
-    assert torch.equal(y, y_h)  # what is saved does not change the output
-    dy, w2 = rand(m, k, dtype=dtype), rand(k, n, dtype=dtype, scale=k**-0.5)
-    dx, db = torch.ops.coda.gemm_dgrad(dy, w2, g, act, True, True)
-    ref = (dy.double() @ w2.double()) * g64
-    unfused = reference.act_backward(dy @ w2, h, act)  # torch's path from the saved pre-activation
-    within_torch_error(f"dgrad from act' dx {activation} {dtype} seed={seed}", rel_err(dx, ref), rel_err(unfused, ref))
-    within_torch_error(f"dgrad from act' dbias {activation} {dtype} seed={seed}", rel_err(db, ref.sum(0)),
-                       rel_err(reference.bias_grad(unfused), ref.sum(0)))
-
-
 def test_compile_fullgraph_mlp_inductor(seed):
     torch._dynamo.reset()
     mlp = coda.nn.MLP(1024, 4096, activation="gelu_tanh", device="cuda", dtype=torch.bfloat16)
@@ -191,14 +163,12 @@ def test_opcheck_on_gpu():
     x, w, b = rand(64, 256, dtype=torch.bfloat16), rand(512, 256, dtype=torch.bfloat16), rand(512, dtype=torch.bfloat16)
     r = rand(64, 512, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.coda.gemm_linear.default, (x, w, b, r, 1, True))
-    torch.library.opcheck(torch.ops.coda.gemm_linear.default, (x, w, b, r, 1, True, True))
     torch.library.opcheck(torch.ops.coda.gemm_dgrad.default, (r, w, x.new_empty(64, 256).normal_(), 1, True))
-    torch.library.opcheck(torch.ops.coda.gemm_dgrad.default, (r, w, x.new_empty(64, 256).normal_(), 1, True, True))
     torch.library.opcheck(torch.ops.coda.gemm_wgrad.default, (r, x))
     torch.library.opcheck(torch.ops.coda.linear.default, (x.requires_grad_(True), w, b, 2, True))
     torch.library.opcheck(torch.ops.coda.mlp.default,
                           (x, rand(1024, 256, dtype=torch.bfloat16), None, rand(256, 1024, dtype=torch.bfloat16),
-                           None, x.detach().clone(), 4, True, True))
+                           None, x.detach().clone(), 4, True))
 
 
 def test_kernel_errors_are_clear():

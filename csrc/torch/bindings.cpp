@@ -55,12 +55,11 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-// y = act(x·wᵀ + bias) + residual; pre_act = x·wᵀ + bias when save_pre_act (else an empty tensor),
-// act'(x·wᵀ + bias) instead when save_derivative too.
+// y = act(x·wᵀ + bias) + residual; pre_act = x·wᵀ + bias when save_pre_act (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                const std::optional<at::Tensor>& residual, int64_t activation,
-                                               bool save_pre_act, bool save_derivative) {
+                                               bool save_pre_act) {
   check_matrix(x, "x", x);
   check_matrix(weight, "weight", x);
   TORCH_CHECK(weight.size(1) == x.size(1), "coda: weight must have shape (N, ", x.size(1), "), got ", weight.sizes());
@@ -86,26 +85,24 @@ std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Te
   a.y = y.data_ptr(); a.ldy = y.stride(0);
   a.pre_act = save_pre_act ? h.data_ptr() : nullptr;
   a.ld_pre_act = save_pre_act ? h.stride(0) : 0;
-  a.save_derivative = save_derivative;
   coda::DType dt = dtype_of(x, "x");
   at::Tensor ws = workspace(coda::linear_workspace_size(dt, a), x);
   check_status(coda::linear(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_linear");
   return {y, h};
 }
 
-// dx = (dy·weight) ⊙ act'(pre_act), or ⊙ pre_act when pre_act_is_derivative;
-// dbias = Σ_rows dx when compute_dbias (else empty).
+// dx = (dy·weight) ⊙ act'(pre_act); dbias = Σ_rows dx when compute_dbias (else empty).
 std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                              bool compute_dbias, bool pre_act_is_derivative) {
+                                              bool compute_dbias) {
   check_matrix(dy, "dy", dy);
   check_matrix(weight, "weight", dy);
   TORCH_CHECK(weight.size(0) == dy.size(1), "coda: weight must have shape (", dy.size(1), ", N), got ",
               weight.sizes());
   const int64_t m = dy.size(0), n = weight.size(1), k = dy.size(1);
   coda::Activation act = activation_of(activation);
-  TORCH_CHECK((act == coda::Activation::kIdentity && !pre_act_is_derivative) || pre_act.has_value(),
-              "coda: pre_act is required when the activation is not identity or pre_act_is_derivative is set");
+  TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value(),
+              "coda: pre_act is required when the activation is not identity");
   if (pre_act) {
     check_matrix(*pre_act, "pre_act", dy);
     TORCH_CHECK(pre_act->size(0) == m && pre_act->size(1) == n, "coda: pre_act must have shape (", m, ", ", n,
@@ -122,7 +119,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
   a.activation = act;
   a.pre_act = pre_act ? pre_act->data_ptr() : nullptr;
   a.ld_pre_act = pre_act ? pre_act->stride(0) : 0;
-  a.pre_act_is_derivative = pre_act_is_derivative;
   a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
   a.dbias = compute_dbias ? db.data_ptr() : nullptr;
   coda::DType dt = dtype_of(dy, "dy");
@@ -416,12 +412,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gemm_norm_dgrad(
 
 bool device_supported(int64_t device) { return coda::device_supported(static_cast<int>(device)); }
 
-void set_tuning(int64_t config, int64_t raster, int64_t swizzle, int64_t prefetch) {
+void set_tuning(int64_t config, int64_t raster, int64_t swizzle) {
   coda::Tuning t;
   t.config = static_cast<int>(config);
   t.raster = static_cast<int>(raster);
   t.swizzle = static_cast<int>(swizzle);
-  t.prefetch = static_cast<int>(prefetch);
   coda::set_tuning(t);
 }
 
@@ -430,11 +425,9 @@ std::string kernel_configs(const std::string& op) { return coda::kernel_configs(
 }  // namespace
 
 TORCH_LIBRARY(coda, m) {
-  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act,"
-        " bool save_derivative=False)"
+  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act)"
         " -> (Tensor, Tensor)");
-  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias,"
-        " bool pre_act_is_derivative=False)"
+  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias)"
         " -> (Tensor, Tensor)");
   m.def("gemm_wgrad(Tensor dy, Tensor x) -> Tensor");
   m.def("norm_fold_weight(Tensor weight, Tensor gamma, Tensor? beta, Tensor? bias, bool want_folded)"
@@ -452,7 +445,7 @@ TORCH_LIBRARY(coda, m) {
         " Tensor c1, Tensor? c2, Tensor? residual_grad, bool want_normalized, bool want_dgamma)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("device_supported(int device) -> bool", &device_supported);
-  m.def("set_tuning(int config, int raster, int swizzle, int prefetch=-1) -> ()", &set_tuning);
+  m.def("set_tuning(int config, int raster, int swizzle) -> ()", &set_tuning);
   m.def("kernel_configs(str op) -> str", &kernel_configs);
 }
 

@@ -172,26 +172,14 @@ def _grads(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
 
 
-def _without_prefetch(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with the L2 prefetch of the epilogues' loaded tensors off (epilogue_prefetch.cuh)."""
+def _on_config(config: int, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn on the kernel configuration `config` (kernel_configs' values) instead of the heuristic's."""
     def run():
-        torch.ops.coda.set_tuning(-1, -1, -1, 0)
+        torch.ops.coda.set_tuning(config, -1, -1)
         try:
             return fn()
         finally:
-            torch.ops.coda.set_tuning(-1, -1, -1, -1)
-    return run
-
-
-def _saving_pre_act(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with coda.mlp keeping h1 for act' instead of act'(h1) (ops.MLP_SAVES_DERIVATIVE)."""
-    def run():
-        default = coda.ops.MLP_SAVES_DERIVATIVE
-        coda.ops.MLP_SAVES_DERIVATIVE = False
-        try:
-            return fn()
-        finally:
-            coda.ops.MLP_SAVES_DERIVATIVE = default
+            torch.ops.coda.set_tuning(-1, -1, -1)
     return run
 
 
@@ -240,9 +228,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     case, fl = f"mlp_fwd_bwd_{m}x{d}x{f}", 12.0 * m * d * f
     params = [t.detach().clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
     dy = rand(m, d)
-    coda_mlp = _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy)
-    r.time(case, "coda", coda_mlp, fl)
-    r.time(case, "coda[save_h]", _saving_pre_act(coda_mlp), fl)
+    r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl)
 
     def six_gemms():
         a = torch.matmul(x, w1.t())
@@ -255,8 +241,8 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "cublas", six_gemms, fl, with_kernels=True)
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
-    r.interleaved(case, {"coda": coda_mlp, "cublas": six_gemms, "compile": _grads(compile_mlp, params, dy),
-                         "coda[save_h]": _saving_pre_act(coda_mlp)}, fl)
+    r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
+                         "compile": _grads(compile_mlp, params, dy)}, fl)
 
 
 def _liger_rmsnorm():
@@ -439,8 +425,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
                                                                                  c2, None, True, False),
             "coda[norm_dgrad,+dres]": lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1, c2,
                                                                              x, True, True),
-            "coda[norm_dgrad,+dres,no_prefetch]": _without_prefetch(
-                lambda: torch.ops.coda.gemm_norm_dgrad(dp, w, x, mean, rstd, g, beta, c1, c2, x, True, True)),
             "coda[row_dots]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d, False),
             "coda[row_dots+dbias]": lambda: torch.ops.coda.norm_row_dots(dp, h, 0, t, s, 1.0 / d, True),
             "coda[bias_grad]": lambda: dp.sum(0, dtype=torch.float32),
@@ -452,34 +436,30 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
             "coda[linear+bias+residual]": lambda: torch.ops.coda.gemm_linear(x, w[:d], b[:d], x, 0, False),
             "coda[linear_residual_stats]": lambda: torch.ops.coda.gemm_linear_residual(x, w[:d], b[:d], x, True,
                                                                                        1e-5),
-            "coda[linear+bias+residual,no_prefetch]": _without_prefetch(
-                lambda: torch.ops.coda.gemm_linear(x, w[:d], b[:d], x, 0, False)),
-            "coda[linear_residual_stats,no_prefetch]": _without_prefetch(
-                lambda: torch.ops.coda.gemm_linear_residual(x, w[:d], b[:d], x, True, 1e-5)),
         }),
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
-    x1, w1, b1 = rand(m, d), rand(f, d) * d**-0.5, rand(f)
-    g1 = torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True, True)[1]  # gelu'(h1), as the MLP's forward saves it
-    # What fc2's dgrad epilogue costs: the load of h1, GELU' on it, the bias
-    # gradient; and with GELU' taken in fc1's forward instead (a multiply).
+    # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
+    # the bias gradient, the load of H, GELU' on it.
     cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
         "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
         "coda[dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True),
         "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
+        "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
-        "coda[saved_dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, g1, 1, True, True),
-        "coda[load_h+dbias,no_prefetch]": _without_prefetch(lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True)),
-        "coda[dgelu+dbias,no_prefetch]": _without_prefetch(lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True)),
-        "coda[saved_dgelu+dbias,no_prefetch]": _without_prefetch(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, g1, 1, True, True)),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
     })
+    # The same for fc1's forward (ping-pong, which should hide its epilogue
+    # behind the other warp group's mainloop), and the cooperative kernel (0).
+    x1, w1, b1 = rand(m, d), rand(f, d) * d**-0.5, rand(f)
     cases[f"fc1_fwd_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(x1, w1.t()), {
+        "coda[plain]": lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False),
+        "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
-        "coda[gelu,save_dgelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True, True),
+        "coda[c0,plain]": _on_config(0, lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False)),
+        "coda[c0,gelu,save_h]": _on_config(0, lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True)),
     })
     for name, (flops, cublas, impls) in cases.items():
         r.time(name, "cublas", cublas, flops, with_kernels=True)

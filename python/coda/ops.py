@@ -154,32 +154,22 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 
 # ---- mlp: y = fc2(act(fc1(x))) + residual
 
-# What the MLP's forward keeps for act' in the backward: act'(h1) (True) or
-# h1. With act'(h1) fc2's dgrad epilogue multiplies instead of evaluating
-# GELU' (see RuntimeSavedForBackward in cutlass_epilogues/activation.hpp);
-# the benchmark times both.
-MLP_SAVES_DERIVATIVE = True
-
-
 @torch.library.custom_op("coda::mlp", mutates_args=())
 def _mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-         residual: Optional[Tensor], activation: int, save_for_backward: bool,
-         save_derivative: bool) -> Tuple[Tensor, Tensor, Tensor]:
+         residual: Optional[Tensor], activation: int, save_for_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     # x (M, D), w1 (F, D), b1 (F), w2 (E, F), b2 (E), residual (M, E)
-    #   -> y (M, E), h1 (M, F) pre-activation (act'(pre-activation) when save_derivative),
-    #      a1 (M, F) activation; (0,) when not saved
+    #   -> y (M, E), h1 (M, F) pre-activation, a1 (M, F) activation; (0,) when not saved
     if x.shape[0] and _kernels.usable([x, w1, b1, w2, b2, residual], [x.shape[1], w1.shape[0], w2.shape[0]]):
         save_h = save_for_backward and activation != _activations.IDENTITY
-        a1, h1 = torch.ops.coda.gemm_linear(_kernels.rows(x), w1.contiguous(), _contig(b1), None, activation, save_h,
-                                            save_derivative)
+        a1, h1 = torch.ops.coda.gemm_linear(_kernels.rows(x), w1.contiguous(), _contig(b1), None, activation, save_h)
         y, _ = torch.ops.coda.gemm_linear(a1, w2.contiguous(), _contig(b2),
                                           None if residual is None else _kernels.rows(residual), 0, False)
         return y, h1, (a1 if save_for_backward else _empty(x))
-    return reference.mlp_forward(x, w1, b1, w2, b2, residual, activation, save_for_backward, save_derivative)
+    return reference.mlp_forward(x, w1, b1, w2, b2, residual, activation, save_for_backward)
 
 
 @_mlp.register_fake
-def _(x, w1, b1, w2, b2, residual, activation, save_for_backward, save_derivative):
+def _(x, w1, b1, w2, b2, residual, activation, save_for_backward):
     m, f = x.shape[0], w1.shape[0]
     save_h = save_for_backward and activation != _activations.IDENTITY
     return (x.new_empty(m, w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
@@ -188,40 +178,35 @@ def _(x, w1, b1, w2, b2, residual, activation, save_for_backward, save_derivativ
 
 @torch.library.custom_op("coda::mlp_backward", mutates_args=())
 def _mlp_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h1: Tensor, a1: Tensor, activation: int,
-                  h1_is_derivative: bool, has_b1: bool, has_b2: bool, need_dx: bool, need_dw1: bool,
+                  has_b1: bool, has_b2: bool, need_dx: bool, need_dw1: bool,
                   need_dw2: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # h1: the pre-activation, or act'(pre-activation) when h1_is_derivative
     # -> dx (M, D), dw1 (F, D), db1 (F), dw2 (E, F), db2 (E); (0,) when not needed
     if x.shape[0] and _kernels.usable([dy, x, w1, w2, h1, a1], [x.shape[1], w1.shape[0], w2.shape[0]]):
         dy = _kernels.rows(dy)
         dw2 = torch.ops.coda.gemm_wgrad(dy, a1) if need_dw2 else _empty(dy)
         db2 = reference.bias_grad(dy) if has_b2 else _empty(dy)
-        # fc2's dgrad epilogue applies act' (with the saved h1, or multiplies
-        # by the saved act'(h1)) and reduces db1: no elementwise pass over the
-        # (M, F) activation gradient.
+        # fc2's dgrad epilogue applies act' (with the saved h1) and reduces db1:
+        # no elementwise pass over the (M, F) activation gradient.
         fused_h = h1 if activation != _activations.IDENTITY else None
-        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, w2.contiguous(), fused_h, activation, has_b1,
-                                             h1_is_derivative and fused_h is not None)
+        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, w2.contiguous(), fused_h, activation, has_b1)
         dw1 = torch.ops.coda.gemm_wgrad(dh1, x) if need_dw1 else _empty(dy)
         dx = torch.ops.coda.gemm_dgrad(dh1, w1.contiguous(), None, 0, False)[0] if need_dx else _empty(dy)
         return dx, dw1, db1, dw2, db2
-    return reference.mlp_backward(dy, x, w1, w2, h1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need_dw2,
-                                  h1_is_derivative)
+    return reference.mlp_backward(dy, x, w1, w2, h1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need_dw2)
 
 
 @_mlp_backward.register_fake
-def _(dy, x, w1, w2, h1, a1, activation, h1_is_derivative, has_b1, has_b2, need_dx, need_dw1, need_dw2):
+def _(dy, x, w1, w2, h1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need_dw2):
     e = x.new_empty
     return (e(x.shape) if need_dx else e(0), e(w1.shape) if need_dw1 else e(0), e(w1.shape[0]) if has_b1 else e(0),
             e(w2.shape) if need_dw2 else e(0), e(w2.shape[0]) if has_b2 else e(0))
 
 
 def _mlp_setup(ctx, inputs, output):
-    x, w1, b1, w2, b2, residual, activation, _, save_derivative = inputs
+    x, w1, b1, w2, b2, residual, activation, _ = inputs
     _, h1, a1 = output
     ctx.save_for_backward(x, w1, w2, h1, a1)
     ctx.activation = activation
-    ctx.h1_is_derivative = save_derivative
     ctx.has_b1, ctx.has_b2, ctx.has_residual = b1 is not None, b2 is not None, residual is not None
 
 
@@ -233,12 +218,11 @@ def _mlp_grad(ctx, dy, _dh1, _da1):
     if ctx.activation == _activations.IDENTITY:
         h1 = a1
     nx, nw1, nb1, nw2, nb2, nres = ctx.needs_input_grad[:6]
-    dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation,
-                                           ctx.h1_is_derivative and ctx.activation != _activations.IDENTITY,
-                                           ctx.has_b1 and nb1, ctx.has_b2 and nb2, nx, nw1, nw2)
+    dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation, ctx.has_b1 and nb1,
+                                           ctx.has_b2 and nb2, nx, nw1, nw2)
     return (dx if nx else None, dw1 if nw1 else None, db1 if ctx.has_b1 and nb1 else None,
             dw2 if nw2 else None, db2 if ctx.has_b2 and nb2 else None,
-            dy if ctx.has_residual and nres else None, None, None, None)
+            dy if ctx.has_residual and nres else None, None, None)
 
 
 _mlp.register_autograd(_mlp_grad, setup_context=_mlp_setup)
@@ -266,7 +250,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         residual = _rows(residual)
     act = _activations.code(activation)
     y, _, _ = _mlp(_rows(x), w1, b1, w2, b2, residual, act,
-                   _needs_grad(x, w1, b1, w2, b2, residual), MLP_SAVES_DERIVATIVE)
+                   _needs_grad(x, w1, b1, w2, b2, residual))
     return y.reshape(out_shape)
 
 

@@ -39,22 +39,12 @@ def linear_forward(x, weight, bias, act: int, save_pre_act: bool):
     return y, (h if save_pre_act else x.new_empty(0))
 
 
-def act_backward(dy, h, act: int, h_is_derivative: bool = False):
-    """dy ⊙ act'(h) (dy ⊙ h when h already holds act'), computed in float32 (at
-    least) and rounded once, as torch does."""
+def act_backward(dy, h, act: int):
+    """dy ⊙ act'(h), computed in float32 (at least) and rounded once, as torch does."""
     if act == _activations.IDENTITY:
         return dy
     ct = torch.promote_types(dy.dtype, torch.float32)
-    g = h.to(ct) if h_is_derivative else _activations.grad(h.to(ct), act)
-    return (dy.to(ct) * g).to(dy.dtype)
-
-
-def saved_for_backward(h, act: int, derivative: bool):
-    """What a forward keeps for act': h, or act'(h) rounded to h's dtype."""
-    if not derivative or act == _activations.IDENTITY:
-        return h
-    ct = torch.promote_types(h.dtype, torch.float32)
-    return _activations.grad(h.to(ct), act).to(h.dtype)
+    return (dy.to(ct) * _activations.grad(h.to(ct), act)).to(dy.dtype)
 
 
 def bias_grad(dh):
@@ -70,7 +60,7 @@ def linear_backward(dy, x, weight, h, act: int, has_bias: bool, need_dx: bool, n
     return dx, dw, db
 
 
-def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, save_derivative: bool = False):
+def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool):
     h1 = F.linear(x, w1, b1)
     a1 = _activations.apply(h1, act)
     y = F.linear(a1, w2, b2)
@@ -80,14 +70,14 @@ def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, save_derivati
         return y, x.new_empty(0), x.new_empty(0)
     if act == _activations.IDENTITY:  # h1 is a1: keep one, outputs may not alias
         return y, x.new_empty(0), a1
-    return y, saved_for_backward(h1, act, save_derivative), a1
+    return y, h1, a1
 
 
 def mlp_backward(dy, x, w1, w2, h1, a1, act: int, has_b1: bool, has_b2: bool,
-                 need_dx: bool, need_dw1: bool, need_dw2: bool, h1_is_derivative: bool = False):
+                 need_dx: bool, need_dw1: bool, need_dw2: bool):
     dw2 = dy.t() @ a1 if need_dw2 else dy.new_empty(0)
     db2 = bias_grad(dy) if has_b2 else dy.new_empty(0)
-    dh1 = act_backward(dy @ w2, h1, act, h1_is_derivative)
+    dh1 = act_backward(dy @ w2, h1, act)
     dw1 = dh1.t() @ x if need_dw1 else dy.new_empty(0)
     db1 = bias_grad(dh1) if has_b1 else dy.new_empty(0)
     dx = dh1 @ w1 if need_dx else dy.new_empty(0)

@@ -49,10 +49,6 @@ struct LinearArgs {
   int64_t ldy = 0;
   void* pre_act = nullptr;           // (m, n) out, H for the backward; or null
   int64_t ld_pre_act = 0;
-  // pre_act receives act'(H) instead of H, for a dgrad with
-  // pre_act_is_derivative: that epilogue then multiplies instead of
-  // evaluating act' (which a cooperative GEMM cannot hide behind its MMAs).
-  bool save_derivative = false;
 };
 
 // dX = (dY·W) ⊙ act'(H);  dbias = Σ_rows dX.  The dgrad GEMM of the layer
@@ -68,7 +64,6 @@ struct DgradArgs {
   Activation activation = Activation::kIdentity;
   const void* pre_act = nullptr;     // (m, n) H saved by the forward, or null
   int64_t ld_pre_act = 0;
-  bool pre_act_is_derivative = false;  // pre_act holds act'(H) (LinearArgs::save_derivative): dX = (dY·W) ⊙ pre_act
   void* dx = nullptr;                // (m, n) out
   int64_t lddx = 0;
   void* dbias = nullptr;             // (n) out, or null
@@ -240,13 +235,11 @@ bool device_supported(int device);
 // Kernel choice, for tuning sweeps. -1 leaves a field to coda's heuristic.
 // config: a configuration's value as kernel_configs lists it (an op not built
 // in that configuration runs its default);
-// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
-// prefetch: 0 / 1 turns the L2 prefetch of the epilogue's loaded tensors off / on.
+// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8.
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
-  int prefetch = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
