@@ -146,7 +146,10 @@ class Runner:
         """The impls timed in turn, `rounds` times over: the GPU's clock drifts
         with its temperature and power over a run, by up to 2% between two
         timings of one kernel here, and alternating spreads that over all impls
-        alike. Rows are `<case>_interleaved`, median_ms the median of the rounds'."""
+        alike. Each round starts one impl further along the list, so that no
+        impl always follows the same one (a kernel timed after light ones
+        reads faster: the order effect in benchmarks/README.md). Rows are
+        `<case>_interleaved`, median_ms the median of the rounds'."""
         if not self.gpu:
             return
         rounds = rounds or self.rounds
@@ -154,9 +157,10 @@ class Runner:
         try:
             for fn in impls.values():
                 fn()
-            for _ in range(rounds):
-                for name, fn in impls.items():
-                    rows[name].append(_time_gpu(fn, self.warmup_ms, self.rep_ms)["median_ms"])
+            names = list(impls)
+            for i in range(rounds):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    rows[name].append(_time_gpu(impls[name], self.warmup_ms, self.rep_ms)["median_ms"])
         except Exception as e:
             print(f"  {case:<28} interleaved skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             return
