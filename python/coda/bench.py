@@ -141,9 +141,8 @@ class Runner:
               flush=True)
         return row
 
-    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float,
-                    rounds: Optional[int] = None) -> None:
-        """The impls timed in turn, `rounds` times over: the GPU's clock drifts
+    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float) -> None:
+        """The impls timed in turn, `self.rounds` times over: the GPU's clock drifts
         with its temperature and power over a run, by up to 2% between two
         timings of one kernel here, and alternating spreads that over all impls
         alike. Each round starts one impl further along the list, so that no
@@ -152,13 +151,12 @@ class Runner:
         `<case>_interleaved`, median_ms the median of the rounds'."""
         if not self.gpu:
             return
-        rounds = rounds or self.rounds
         rows: Dict[str, List[float]] = {name: [] for name in impls}
         try:
             for fn in impls.values():
                 fn()
             names = list(impls)
-            for i in range(rounds):
+            for i in range(self.rounds):
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     rows[name].append(_time_gpu(impls[name], self.warmup_ms, self.rep_ms)["median_ms"])
         except Exception as e:
@@ -176,10 +174,10 @@ def _grads(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
 
 
-def _on_config(config: int, fn: Callable[[], object]) -> Callable[[], object]:
-    """fn on the kernel configuration `config` (kernel_configs' values) instead of the heuristic's."""
+def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1) -> Callable[[], object]:
+    """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice)."""
     def run():
-        torch.ops.coda.set_tuning(config, -1, -1)
+        torch.ops.coda.set_tuning(config, raster, swizzle)
         try:
             return fn()
         finally:
@@ -462,8 +460,8 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
-        "coda[c0,plain]": _on_config(0, lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False)),
-        "coda[c0,gelu,save_h]": _on_config(0, lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True)),
+        "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=0),
+        "coda[c0,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=0),
     })
     for name, (flops, cublas, impls) in cases.items():
         r.time(name, "cublas", cublas, flops, with_kernels=True)
@@ -475,9 +473,8 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
                                                       if not any(f"[{l}" in k for l in light)}}, flops)
         if "dgrad" in name and "fc2" not in name:  # the raster order of the heavy epilogue
             for raster in (1, 2):
-                torch.ops.coda.set_tuning(-1, raster, 8)
-                r.time(name, f"coda[norm_dgrad,r{raster}]", impls["coda[norm_dgrad]"], flops)
-            torch.ops.coda.set_tuning(-1, -1, -1)
+                r.time(name, f"coda[norm_dgrad,r{raster}]", _tuned(impls["coda[norm_dgrad]"], raster=raster, swizzle=8),
+                       flops)
 
 
 def _configs(op: str) -> List[int]:
