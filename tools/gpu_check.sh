@@ -4,7 +4,7 @@
 # example against the installed package, and the benchmarks; logs and results
 # go to OUT_DIR.
 #
-#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep]
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench,
@@ -15,6 +15,8 @@
 # There SWEEP_TESTS=0 / SWEEP_BREAKDOWN=0 leave those steps out, and
 # CODA_TEST_TUNING="config,raster,swizzle ..." runs the GPU tests once more
 # per override, on the kernels it picks.
+# --sweep-shipped builds only the shipped kernels and runs only the sweep
+# (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -44,6 +46,15 @@ start=$SECONDS
 python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$OUT/gpu.log"; exit 1; }
 echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
+
+if [ "$QUICK" = "--sweep-shipped" ]; then
+  step "kernel-configuration sweep of the shipped kernels, swizzles ${SWIZZLES:-8}"
+  timeout -k 10 ${SWEEP_TIMEOUT:-420} python3 -m coda.bench --only-sweep --swizzles "${SWIZZLES:-8}" --rep-ms 100 \
+    --warmup-ms 25 --out "$OUT" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1 || status=1
+  tail -160 "$OUT/sweep.log"
+  step "done, status $status"
+  exit $status
+fi
 
 if [ "$QUICK" = "--sweep" ]; then
   # The sweep build dispatches as the shipped one does unless tuning asks
