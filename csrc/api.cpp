@@ -239,13 +239,15 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // (13 for linear only: each half's 96 columns are not a whole 64-column
 // swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
 // ec92be5 sweep's.
-using LinearSweep = LinearConfigs;
+// 15: ping-pong without smem for the epilogue's aux tensors.
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2).
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
 using ResidualConfigs = LinearConfigs;
+using ResidualSweep = LinearSweep;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.
@@ -328,6 +330,7 @@ const char* config_name(Config c) {
     case Config::kPingpong128x128Epi64: return "pingpong_128x128_1x2_epi64x64";
     case Config::kSplitN192x192: return "splitn_192x192_2x1";
     case Config::kSplitN320x128: return "splitn_320x128_1x2";
+    case Config::kPingpong128x128DirectAux: return "pingpong_128x128_1x2_direct_aux";
   }
   return "unknown";
 }
@@ -355,7 +358,7 @@ const char* kernel_configs(const char* op) {
   static const std::string norm_linear = listed(NormLinearConfigs{}, NormLinearConfigs{});
   static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
   static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
-  static const std::string residual = listed(ResidualConfigs{}, ResidualConfigs{});
+  static const std::string residual = listed(ResidualConfigs{}, ResidualSweep{});
   static const std::string norm_dgrad = listed(OneConfig{}, NormDgradSweep{});
   static const std::string one = listed(OneConfig{}, OneConfig{});
   const std::string o = op != nullptr ? op : "";
@@ -623,7 +626,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
   if (a.m == 0) return Status::kSuccess;
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, workspace, workspace_bytes, stream);
-  return with_kernel(ResidualConfigs{}, ResidualConfigs{}, dtype, choice.config, [&](auto, auto cfg) {
+  return with_kernel(ResidualConfigs{}, ResidualSweep{}, dtype, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }
@@ -631,7 +634,7 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
 size_t linear_residual_workspace_size(DType, const LinearResidualArgs& a) {
   Choice choice = choose_residual(a);
   auto p = residual_problem(a, choice, nullptr, 0, nullptr);
-  return with_kernel(ResidualConfigs{}, ResidualConfigs{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
+  return with_kernel(ResidualConfigs{}, ResidualSweep{}, DType::kBFloat16, choice.config, [&](auto, auto cfg) {
     return kernels::linear_residual_stats_workspace<DType::kBFloat16, cfg.value>(p, residual_stats_epilogue(a));
   });
 }

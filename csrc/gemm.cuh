@@ -44,6 +44,7 @@ struct CooperativeTile {
   using ClusterShape = Cluster;
   using EpilogueTile = EpiTile;
   static constexpr int kEpilogueStages = EpiStages;
+  static constexpr bool kDirectAux = false;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
   using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
@@ -65,12 +66,20 @@ struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, Epi
   using SmemSwizzleTile = SwizzleTile;
 };
 
-template <class Tile, class Cluster, class EpiTile = EpilogueTileAuto>
+// DirectAux: the epilogue program's aux loads and stores move between
+// registers and global memory (CUTLASS's Sm90AuxLoad / Sm90AuxStore with 0
+// stages) instead of through smem and TMA. Ping-pong hides the other warp
+// group's epilogue ALU work but not its smem traffic (the H store cost fc1's
+// forward 2.6-2.8%, GELU itself 1%): its 128x128 mainloop already reads
+// smem near its bandwidth. A direct load's latency is exposed in the warp
+// group that waits on it, which ping-pong covers with the other's MMAs.
+template <class Tile, class Cluster, class EpiTile = EpilogueTileAuto, bool DirectAux = false>
 struct PingpongTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
   using EpilogueTile = EpiTile;
   static constexpr int kEpilogueStages = 0;
+  static constexpr bool kDirectAux = DirectAux;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
   using TileScheduler = void;
@@ -127,6 +136,9 @@ struct TileConfig<Config::kSplitN320x128>
 template <>
 struct TileConfig<Config::kPingpong128x128Epi64>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
+template <>
+struct TileConfig<Config::kPingpong128x128DirectAux>
+    : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, EpilogueTileAuto, true> {};
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.
@@ -161,7 +173,7 @@ inline int sm_count(int device) {
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
-          class SwizzleTile = void>
+          class SwizzleTile = void, bool DirectAux = false>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
   // A named subtile is used as given: CUTLASS's helper would refuse the
@@ -184,6 +196,9 @@ struct EpilogueRecipe {
   static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
                                                                    Stock::ReuseSmemC, Stock::DelayTmaStore>;
+  // The stages of the program's aux loads and stores (0: registers <-> global).
+  static constexpr int AuxLoadStages = DirectAux ? 0 : StagesC;
+  static constexpr int AuxStoreStages = DirectAux ? 0 : StagesD;
 };
 
 template <class Tile, class = void>
@@ -232,7 +247,7 @@ struct Gemm {
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
   using EpilogueDescriptor =
       EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
-                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type>;
+                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
   // The collective builder's assembly (Sm90TmaBuilderImpl), with the

@@ -68,6 +68,9 @@ enum class Config : int {
   // cuBLAS's "coopB" does, this is not it.
   kSplitN192x192 = 13,  // 192x192x64 tile, 2x1 cluster, cooperative split along N
   kSplitN320x128 = 14,  // 320x128x64 tile, 1x2 cluster, cooperative split along N
+  // Ping-pong's epilogue aux tensors (H, the residual) moved between
+  // registers and global memory, no smem (PingpongTile in gemm.cuh).
+  kPingpong128x128DirectAux = 15,  // as 1, aux loads and stores without smem
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.

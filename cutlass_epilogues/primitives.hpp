@@ -37,13 +37,13 @@ struct Primitives {
   using StrideMN = cutlass::detail::TagToStrideC_t<Layout>;  // (M, N) row-major with a leading dimension
   using SmemLayoutAtom = typename EpilogueDescriptor::SmemLayoutAtom;
   struct LoadDesc {
-    static constexpr int Stages = EpilogueDescriptor::StagesC;
+    static constexpr int Stages = EpilogueDescriptor::AuxLoadStages;
     using SmemLayoutAtom = Primitives::SmemLayoutAtom;
     using CopyOpS2R = decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<
                                StrideMN, Element, EpilogueTile>());
   };
   struct StoreDesc {
-    static constexpr int Stages = EpilogueDescriptor::StagesD;
+    static constexpr int Stages = EpilogueDescriptor::AuxStoreStages;
     using SmemLayoutAtom = Primitives::SmemLayoutAtom;
     using CopyOpR2S = decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<
                                StrideMN, Element, EpilogueTile>());
@@ -57,7 +57,8 @@ struct Primitives {
   // Fn<Array<float, N>> applied to the children, converted to Out.
   template <template <class> class Fn, class Out = ElementCompute>
   using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  // An (M, N) tensor in Element, through smem (null: the default value, no loads).
+  // An (M, N) tensor in Element, through smem or, with 0 stages, straight
+  // into registers (null: the default value, no loads).
   using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, EpilogueTile, Element, StrideMN,
                                                       typename LoadDesc::SmemLayoutAtom, typename LoadDesc::CopyOpS2R,
                                                       kAlignment>;

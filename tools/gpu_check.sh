@@ -64,14 +64,6 @@ if [ "$QUICK" = "--sweep" ]; then
     CODA_TEST_TUNING= CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
     tail -8 "$OUT/tests.log"
   fi
-  # Every GPU test again on the kernels each override picks (space-separated).
-  for tuning in ${CODA_TEST_TUNING:-}; do
-    step "GPU tests with tuning $tuning"
-    tag=${tuning%%,*}
-    CODA_TEST_TUNING=$tuning CODA_ERRORS_JSON="$OUT/errors-tuned-c$tag.json" python3 -m pytest tests -q -rs \
-      > "$OUT/tests-tuned-c$tag.log" 2>&1 || status=1
-    tail -4 "$OUT/tests-tuned-c$tag.log"
-  done
   if [ "${SWEEP_BREAKDOWN:-1}" != 0 ]; then
     step "per-kernel breakdown of the norm ops"
     python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
@@ -83,6 +75,15 @@ if [ "$QUICK" = "--sweep" ]; then
   timeout -k 10 ${SWEEP_TIMEOUT:-300} python3 -m coda.bench --only-sweep --rep-ms 100 --warmup-ms 25 --out "$OUT" \
     ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1 || status=1
   tail -120 "$OUT/sweep.log"
+  # Every GPU test again on the kernels each override picks (space-separated),
+  # after the sweep, which checks each candidate's output against the default's.
+  for tuning in ${CODA_TEST_TUNING:-}; do
+    step "GPU tests with tuning $tuning"
+    tag=${tuning%%,*}
+    CODA_TEST_TUNING=$tuning CODA_ERRORS_JSON="$OUT/errors-tuned-c$tag.json" python3 -m pytest tests -q -rs \
+      > "$OUT/tests-tuned-c$tag.log" 2>&1 || status=1
+    tail -4 "$OUT/tests-tuned-c$tag.log"
+  done
   step "done, status $status"
   exit $status
 fi

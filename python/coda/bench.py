@@ -600,6 +600,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", choices=["mlp", "norm", "breakdown"],
                    help="run only the MLP cases, only the norm cases, or only the norm ops' per-kernel breakdown")
     p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
+    p.add_argument("--rasters", default="1,2", help="raster orders the sweep tries (1: along M, 2: along N)")
     p.add_argument("--sweep-cases", help="comma-separated: sweep only the GEMMs whose names contain one of these")
     p.add_argument("--sweep-configs", help="comma-separated configuration values: sweep only these")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
@@ -655,7 +656,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrote {path}")
 
     if gpu and (args.sweep or args.only_sweep):
-        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")), after_case=write,
+        run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")),
+                  rasters=tuple(int(s) for s in args.rasters.split(",")), after_case=write,
                   cases=args.sweep_cases.split(",") if args.sweep_cases else None,
                   configs=[int(c) for c in args.sweep_configs.split(",")] if args.sweep_configs else None)
     summarize(r.results)
