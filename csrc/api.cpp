@@ -151,13 +151,25 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // in the 097adc2 sweep: linear + bias + residual 1.003x against 1.039x
 // cooperative, residual-reduce 1.044x against 1.053x; its dgrad stays
 // cooperative (1.014x against 1.034x ping-pong).
-Choice choose_linear(const LinearArgs& a) {
+//
+// Ping-pong's epilogue without smem for its aux tensors (15) against the
+// smem one (1), paired with cuBLAS in the 8d81d04 sweep: with no aux tensor
+// 1.003x against 1.046x (fc1) and 1.009x against 1.037x (QKV + bias), storing
+// H 1.027x both; loading a residual 1.064x against 1.014x (o-proj). So 15
+// wherever the epilogue loads nothing.
+Choice choose_forward(int64_t n, int64_t k, bool loads_aux) {
   Choice c;
-  c.config = a.n >= a.k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
+  if (n < k) {
+    c.config = kernels::Config::kCooperative128x256;
+  } else {
+    c.config = loads_aux ? kernels::Config::kPingpong128x128 : kernels::Config::kPingpong128x128DirectAux;
+  }
   c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c);
 }
+
+Choice choose_linear(const LinearArgs& a) { return choose_forward(a.n, a.k, a.residual != nullptr); }
 
 Choice choose_dgrad(const DgradArgs& a) {
   Choice c;  // cooperative: the only dgrad configuration built
@@ -234,20 +246,21 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
-using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // A sweep lists its candidates here and in CMakeLists.txt. The split-N tiles
 // (13 for linear only: each half's 96 columns are not a whole 64-column
 // swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
 // ec92be5 sweep's.
-// 15: ping-pong without smem for the epilogue's aux tensors.
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
-// Ping-pong dgrad: lost on every shape measured, K = N too (097adc2).
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
+using LinearSweep = LinearConfigs;
+// Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
+// smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
+// latency stalls the epilogue.
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
-using ResidualConfigs = LinearConfigs;
-using ResidualSweep = LinearSweep;
+using ResidualConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using ResidualSweep = LinearConfigs;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.
@@ -538,12 +551,7 @@ kernels::GemmProblem norm_dgrad_problem(const NormDgradArgs& a, const Choice& c,
 }
 
 // The same shape classes as the plain ops (ping-pong forward for N > K).
-Choice choose_norm_linear(const NormLinearArgs& a) {
-  LinearArgs l;
-  l.n = a.n;
-  l.k = a.k;
-  return choose_linear(l);
-}
+Choice choose_norm_linear(const NormLinearArgs& a) { return choose_forward(a.n, a.k, false); }
 
 Choice choose_norm_dgrad(const NormDgradArgs& a) {
   DgradArgs d;
@@ -552,12 +560,8 @@ Choice choose_norm_dgrad(const NormDgradArgs& a) {
   return choose_dgrad(d);
 }
 
-Choice choose_residual(const LinearResidualArgs& a) {
-  LinearArgs l;  // a forward GEMM like linear's, chosen the same way
-  l.n = a.n;
-  l.k = a.k;
-  return choose_linear(l);
-}
+// Its ping-pong kernel is the smem one only (15 lost with the residual).
+Choice choose_residual(const LinearResidualArgs& a) { return choose_forward(a.n, a.k, true); }
 
 }  // namespace
 
