@@ -145,31 +145,29 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // warp group's mainloop (0.99-1.00x cuBLAS against 1.09-1.14x cooperative);
 // K-large ones (fc2) run best cooperative. Every dgrad measured ran best
 // cooperative, ping-pong 1-12% slower (so only the cooperative one is built). Swizzle 8 was best or within noise
-// everywhere; raster order moved times by up to 12%.
+// everywhere (4 tied, 2 and 1 lost by up to 27% in the 18d5dc5 sweep); raster order moved times by up to 12%.
 //
 // K = N (o-proj, 4096 -> 4096) runs best ping-pong too, paired with cuBLAS
 // in the 097adc2 sweep: linear + bias + residual 1.003x against 1.039x
 // cooperative, residual-reduce 1.044x against 1.053x; its dgrad stays
 // cooperative (1.014x against 1.034x ping-pong).
 //
-// Ping-pong's epilogue without smem for its aux tensors (15) against the
-// smem one (1), paired with cuBLAS in the 8d81d04 sweep: with no aux tensor
-// 1.003x against 1.046x (fc1) and 1.009x against 1.037x (QKV + bias), storing
-// H 1.027x both; loading a residual 1.064x against 1.014x (o-proj). So 15
-// wherever the epilogue loads nothing.
-Choice choose_forward(int64_t n, int64_t k, bool loads_aux) {
+// Ping-pong's epilogue without smem for its aux tensors (15, a sweep
+// candidate) against the smem one (1): in the 8d81d04 sweep 15 looked 3-4%
+// faster wherever the epilogue loads nothing, but timed in turn with cuBLAS
+// over 5 rounds in the 4ce0c57 run (where 15 shipped for those) the two tied
+// (fc1: 0.989x / 0.987x plain, 0.990x / 0.995x with GELU; QKV + bias 1.006x
+// both; the folded norm 1.007x / 1.006x) and storing H cost more (1.029x
+// against 1.019x); loading a residual 15 lost (1.064x against 1.014x).
+Choice choose_forward(int64_t n, int64_t k) {
   Choice c;
-  if (n < k) {
-    c.config = kernels::Config::kCooperative128x256;
-  } else {
-    c.config = loads_aux ? kernels::Config::kPingpong128x128 : kernels::Config::kPingpong128x128DirectAux;
-  }
+  c.config = n >= k ? kernels::Config::kPingpong128x128 : kernels::Config::kCooperative128x256;
   c.raster = 1;
   c.swizzle = 8;
   return apply_tuning(c);
 }
 
-Choice choose_linear(const LinearArgs& a) { return choose_forward(a.n, a.k, a.residual != nullptr); }
+Choice choose_linear(const LinearArgs& a) { return choose_forward(a.n, a.k); }
 
 Choice choose_dgrad(const DgradArgs& a) {
   Choice c;  // cooperative: the only dgrad configuration built
@@ -246,12 +244,13 @@ auto with_kernel(Configs<Base...>, Configs<Sweep...>, DType dtype, Config config
 
 using C = Config;
 using OneConfig = Configs<C::kCooperative128x256>;
-using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
+using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // A sweep lists its candidates here and in CMakeLists.txt. The split-N tiles
 // (13 for linear only: each half's 96 columns are not a whole 64-column
 // swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
 // ec92be5 sweep's.
-using LinearSweep = LinearConfigs;
+// 15: ping-pong without smem for the epilogue's aux tensors (8d81d04, 4ce0c57).
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue.
@@ -259,8 +258,8 @@ using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
-using ResidualConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
-using ResidualSweep = LinearConfigs;
+using ResidualConfigs = LinearConfigs;
+using ResidualSweep = LinearSweep;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.
@@ -551,7 +550,7 @@ kernels::GemmProblem norm_dgrad_problem(const NormDgradArgs& a, const Choice& c,
 }
 
 // The same shape classes as the plain ops (ping-pong forward for N > K).
-Choice choose_norm_linear(const NormLinearArgs& a) { return choose_forward(a.n, a.k, false); }
+Choice choose_norm_linear(const NormLinearArgs& a) { return choose_forward(a.n, a.k); }
 
 Choice choose_norm_dgrad(const NormDgradArgs& a) {
   DgradArgs d;
@@ -560,8 +559,7 @@ Choice choose_norm_dgrad(const NormDgradArgs& a) {
   return choose_dgrad(d);
 }
 
-// Its ping-pong kernel is the smem one only (15 lost with the residual).
-Choice choose_residual(const LinearResidualArgs& a) { return choose_forward(a.n, a.k, true); }
+Choice choose_residual(const LinearResidualArgs& a) { return choose_forward(a.n, a.k); }
 
 }  // namespace
 

@@ -68,11 +68,13 @@ struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, Epi
 
 // DirectAux: the epilogue program's aux loads and stores move between
 // registers and global memory (CUTLASS's Sm90AuxLoad / Sm90AuxStore with 0
-// stages) instead of through smem and TMA. Ping-pong hides the other warp
-// group's epilogue ALU work but not its smem traffic (the H store cost fc1's
-// forward 2.6-2.8%, GELU itself 1%): its 128x128 mainloop already reads
-// smem near its bandwidth. A direct load's latency is exposed in the warp
-// group that waits on it, which ping-pong covers with the other's MMAs.
+// stages) instead of through smem and TMA. The question it answered: ping-pong
+// hides the other warp group's epilogue ALU work but not its H store (+2.6-
+// 2.8% on fc1's forward, GELU itself 1%); is that smem traffic next to a
+// 128x128 mainloop that reads smem near its bandwidth? No: stored directly,
+// H cost as much or more (1.029x against 1.019x cuBLAS, 4ce0c57), and direct
+// loads stall the epilogue on their latency (fc2's dgrad with H 1.54x,
+// o-proj's residual 1.064x against 1.014x, 8d81d04). A sweep candidate only.
 template <class Tile, class Cluster, class EpiTile = EpilogueTileAuto, bool DirectAux = false>
 struct PingpongTile {
   using TileShape = Tile;

@@ -69,7 +69,8 @@ enum class Config : int {
   kSplitN192x192 = 13,  // 192x192x64 tile, 2x1 cluster, cooperative split along N
   kSplitN320x128 = 14,  // 320x128x64 tile, 1x2 cluster, cooperative split along N
   // Ping-pong's epilogue aux tensors (H, the residual) moved between
-  // registers and global memory, no smem (PingpongTile in gemm.cuh).
+  // registers and global memory, no smem (PingpongTile in gemm.cuh): tied
+  // with 1 where the epilogue loads nothing, lost where it loads.
   kPingpong128x128DirectAux = 15,  // as 1, aux loads and stores without smem
 };
 

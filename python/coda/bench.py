@@ -416,10 +416,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
             "coda[norm_linear]": lambda: torch.ops.coda.gemm_norm_linear(x, folded, mean, rstd, s, t, 0, False),
             "coda[row_stats]": lambda: torch.ops.coda.norm_row_stats(x, True, 1e-5),
             "coda[fold]": lambda: torch.ops.coda.norm_fold_weight(w, g, beta, b, True),
-            # ping-pong with its aux tensors through smem (1), as shipped before 15
-            "coda[c1,linear+bias]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w, b, None, 0, False), config=1),
-            "coda[c1,norm_linear]": _tuned(lambda: torch.ops.coda.gemm_norm_linear(x, folded, mean, rstd, s, t, 0,
-                                                                                   False), config=1),
         }),
         f"qkv_dgrad_{m}x{n}x{d}": (fl, lambda: torch.matmul(dp, w), {
             "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dp, w, None, 0, False),
@@ -457,17 +453,13 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
     })
     # The same for fc1's forward (ping-pong, which should hide its epilogue
-    # behind the other warp group's mainloop: 15 as shipped, 1 with its aux
-    # tensors through smem), and the cooperative kernel (0).
+    # behind the other warp group's mainloop), and the cooperative kernel (0).
     x1, w1, b1 = rand(m, d), rand(f, d) * d**-0.5, rand(f)
     cases[f"fc1_fwd_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(x1, w1.t()), {
         "coda[plain]": lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False),
         "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
-        "coda[c1,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=1),
-        "coda[c1,gelu]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False), config=1),
-        "coda[c1,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=1),
         "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=0),
         "coda[c0,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=0),
     })
