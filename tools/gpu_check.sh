@@ -4,7 +4,7 @@
 # example against the installed package, and the benchmarks; logs and results
 # go to OUT_DIR.
 #
-#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped]
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --power]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench,
@@ -17,6 +17,8 @@
 # per override, on the kernels it picks.
 # --sweep-shipped builds only the shipped kernels and runs only the sweep
 # (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
+# --power builds them and runs only benchmarks/power_probe.py (clock and
+# power per GEMM variant).
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -46,6 +48,14 @@ start=$SECONDS
 python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$OUT/gpu.log"; exit 1; }
 echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
+
+if [ "$QUICK" = "--power" ]; then
+  step "clock and power per GEMM variant"
+  python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
+  cat "$OUT/power.log"
+  step "done, status $status"
+  exit $status
+fi
 
 if [ "$QUICK" = "--sweep-shipped" ]; then
   step "kernel-configuration sweep of the shipped kernels, swizzles ${SWIZZLES:-8}"

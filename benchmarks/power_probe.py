@@ -1,0 +1,143 @@
+"""The SM clock and board power while one GEMM variant runs back to back.
+
+    python benchmarks/power_probe.py --out DIR      # writes DIR/<date>-<device>-power.json
+
+Question it answers: is the cost of an epilogue's extra memory traffic (fc1's
+forward storing H, +2-3% in every breakdown, not hidden by ping-pong, and no
+cheaper stored without smem) paid in clock, because a GEMM at full tilt runs at
+the GPU's power cap and the extra DRAM writes take power from the SMs? Each
+variant runs alone for a few seconds, in turn with the others, while
+nvidia-smi samples clocks.sm and power.draw; the first second of each phase
+is dropped (the clock settles). Rows: median_ms per launch over the phase,
+sm_clock_mhz and power_w the means of the phase's samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from coda.bench import _commit
+
+
+class Sampler:
+    """nvidia-smi's samples of (clocks.sm MHz, power.draw W), stamped on arrival."""
+
+    def __init__(self, period_ms: int = 50):
+        self.samples: List[Tuple[float, float, float]] = []
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", f"--loop-ms={period_ms}"],
+            stdout=subprocess.PIPE, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                clock, power = (float(v) for v in line.split(",")[:2])
+            except ValueError:
+                continue
+            self.samples.append((time.time(), clock, power))
+
+    def mean(self, t0: float, t1: float) -> Tuple[float, float, int]:
+        inside = [(c, p) for t, c, p in self.samples if t0 <= t <= t1]
+        if not inside:
+            return float("nan"), float("nan"), 0
+        return sum(c for c, _ in inside) / len(inside), sum(p for _, p in inside) / len(inside), len(inside)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def run_phase(fn: Callable[[], object], seconds: float) -> Tuple[float, float, float]:
+    """fn back to back for `seconds`; (start, end of the settled part, ms per launch there)."""
+    start = time.time()
+    settle = start + 1.0
+    while time.time() < settle:
+        fn()
+        torch.cuda.synchronize()
+    t0 = time.time()
+    begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    n = 0
+    while time.time() - t0 < seconds - 1.0:
+        for _ in range(10):
+            fn()
+        n += 10
+        torch.cuda.synchronize()
+    finish.record()
+    finish.synchronize()
+    return t0, time.time(), begin.elapsed_time(finish) / n
+
+
+def main(argv: List[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=16384)
+    p.add_argument("--seconds", type=float, default=4.0, help="per phase, the first second dropped")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("power_probe: needs an sm_90 GPU; nothing measured")
+        return 0
+
+    torch.manual_seed(0)
+    m, d, f = args.tokens, args.hidden, args.ffn
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
+    b1 = torch.randn(f, device="cuda", dtype=torch.bfloat16)
+    gelu = 1  # coda's activation code for tanh GELU
+    impls: Dict[str, Callable[[], object]] = {
+        "cublas": lambda: torch.matmul(x, w1.t()),
+        "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, False),
+        "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True),
+    }
+    for fn in impls.values():
+        fn()
+    torch.cuda.synchronize()
+
+    sampler = Sampler()
+    case = f"power_fc1_fwd_{m}x{d}x{f}"
+    results = []
+    names = list(impls)
+    try:
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t0, t1, ms = run_phase(impls[name], args.seconds)
+                clock, power, count = sampler.mean(t0, t1)
+                row = {"case": case, "impl": name, "round": r, "median_ms": ms, "sm_clock_mhz": clock,
+                       "power_w": power, "samples": count, "tflops": 2.0 * m * d * f / ms / 1e9}
+                results.append(row)
+                print(f"  {case} {name:<18} round {r}: {ms:.3f} ms/launch, {clock:.0f} MHz, {power:.0f} W "
+                      f"({count} samples)", flush=True)
+    finally:
+        sampler.stop()
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        date = datetime.datetime.now(datetime.timezone.utc)
+        slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{slug}-power.json")
+        with open(path, "w") as fh:
+            json.dump({"commit": _commit(), "date": date.isoformat(timespec="seconds"),
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
+                       "shape": {"tokens": m, "hidden": d, "ffn": f}, "timer": "cuda events over each phase",
+                       "results": results}, fh, indent=1)
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
