@@ -9,7 +9,8 @@ the GPU's power cap and the extra DRAM writes take power from the SMs? Each
 variant runs alone for a few seconds, in turn with the others, while
 nvidia-smi samples clocks.sm and power.draw; the first second of each phase
 is dropped (the clock settles). Rows: median_ms per launch over the phase,
-sm_clock_mhz and power_w the means of the phase's samples.
+sm_clock_mhz and power_w the means of the phase's samples, mcycles and joules
+per launch from them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from coda.bench import _commit
+from coda.bench import _commit, _tuned
 
 
 class Sampler:
@@ -98,30 +99,46 @@ def main(argv: List[str]) -> int:
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
     b1 = torch.randn(f, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w2 = (torch.randn(d, f, device="cuda") * f**-0.5).to(torch.bfloat16)
+    h1 = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
     gelu = 1  # coda's activation code for tanh GELU
-    impls: Dict[str, Callable[[], object]] = {
-        "cublas": lambda: torch.matmul(x, w1.t()),
-        "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, False),
-        "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True),
+    cases: Dict[str, Dict[str, Callable[[], object]]] = {
+        # fc1's forward: ping-pong as shipped, and the cooperative kernel (0)
+        f"power_fc1_fwd_{m}x{d}x{f}": {
+            "cublas": lambda: torch.matmul(x, w1.t()),
+            "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
+            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, False),
+            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True),
+            "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
+        },
+        # fc2's dgrad (cooperative), plain and with GELU' and db1
+        f"power_fc2_dgrad_{m}x{d}x{f}": {
+            "cublas": lambda: torch.matmul(dy, w2),
+            "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
+            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, gelu, True),
+        },
     }
-    for fn in impls.values():
-        fn()
+    for impls in cases.values():
+        for fn in impls.values():
+            fn()
     torch.cuda.synchronize()
 
     sampler = Sampler()
-    case = f"power_fc1_fwd_{m}x{d}x{f}"
     results = []
-    names = list(impls)
     try:
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                t0, t1, ms = run_phase(impls[name], args.seconds)
-                clock, power, count = sampler.mean(t0, t1)
-                row = {"case": case, "impl": name, "round": r, "median_ms": ms, "sm_clock_mhz": clock,
-                       "power_w": power, "samples": count, "tflops": 2.0 * m * d * f / ms / 1e9}
-                results.append(row)
-                print(f"  {case} {name:<18} round {r}: {ms:.3f} ms/launch, {clock:.0f} MHz, {power:.0f} W "
-                      f"({count} samples)", flush=True)
+        for case, impls in cases.items():
+            names = list(impls)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    t0, t1, ms = run_phase(impls[name], args.seconds)
+                    clock, power, count = sampler.mean(t0, t1)
+                    row = {"case": case, "impl": name, "round": r, "median_ms": ms, "sm_clock_mhz": clock,
+                           "power_w": power, "samples": count, "mcycles": ms * clock / 1e3,
+                           "joules": ms * power / 1e3, "tflops": 2.0 * m * d * f / ms / 1e9}
+                    results.append(row)
+                    print(f"  {case} {name:<18} round {r}: {ms:.3f} ms/launch, {clock:.0f} MHz, {power:.0f} W, "
+                          f"{row['mcycles']:.3f} Mcycles, {row['joules']:.3f} J ({count} samples)", flush=True)
     finally:
         sampler.stop()
 
