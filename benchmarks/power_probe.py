@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from coda.bench import _commit, _tuned
+from coda.bench import _commit, _configs, _tuned
 
 
 class Sampler:
@@ -88,6 +88,9 @@ def main(argv: List[str]) -> int:
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--seconds", type=float, default=4.0, help="per phase, the first second dropped")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--configs", default="",
+                   help="comma-separated kernel configuration values (kernel_configs) to probe too, "
+                        "each where the op is built in it (a sweep build has more)")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -119,6 +122,19 @@ def main(argv: List[str]) -> int:
             "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, gelu, True),
         },
     }
+    # Candidate configurations, forced through the tuning override; an op
+    # not built in one would silently run its first configuration, so those
+    # are left out.
+    fc1, fc2 = list(cases)
+    for c in (int(v) for v in args.configs.split(",") if v):
+        if c in _configs("linear"):
+            cases[fc1][f"coda[c{c},plain]"] = _tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=c)
+            cases[fc1][f"coda[c{c},gelu,save_h]"] = _tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True), config=c)
+        if c in _configs("dgrad"):
+            cases[fc2][f"coda[c{c},dgelu+dbias]"] = _tuned(
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, gelu, True), config=c)
     for impls in cases.values():
         for fn in impls.values():
             fn()

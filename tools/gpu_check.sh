@@ -18,7 +18,8 @@
 # --sweep-shipped builds only the shipped kernels and runs only the sweep
 # (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
 # --power builds them and runs only benchmarks/power_probe.py (clock and
-# power per GEMM variant).
+# power per GEMM variant); POWER_SWEEP=1 builds the sweep's candidates too,
+# for POWER_ARGS="--configs 6,15" and the like.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -41,7 +42,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 step "build"
 export CODA_BUILD_DIR="$ROOT/build/gpu"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [ "$QUICK" = "--sweep" ]; then
+if [ "$QUICK" = "--sweep" ] || [ "${POWER_SWEEP:-0}" = 1 ]; then
   export CODA_BUILD_DIR="$ROOT/build/gpu-sweep" CODA_CMAKE_ARGS="-DCODA_SWEEP_CONFIGS=ON"
 fi
 start=$SECONDS
