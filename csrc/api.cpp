@@ -250,7 +250,10 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
 // ec92be5 sweep's.
 // 15: ping-pong without smem for the epilogue's aux tensors (8d81d04, 4ce0c57).
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
+// 6 and 9, larger tiles (fewer smem bytes per MAC), lost on time in earlier
+// sweeps; they are here for the power probe, which asks about energy.
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux,
+                            C::kPingpong128x192Cluster2x1, C::kCooperative256x128Cluster2x1>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue.
@@ -259,7 +262,7 @@ using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
 using ResidualConfigs = LinearConfigs;
-using ResidualSweep = LinearSweep;
+using ResidualSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 using NormDgradSweep = OneConfig;
 
 // The norm-folding kernels are built for bf16 only.
