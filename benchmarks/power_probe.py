@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from coda.bench import _commit, _configs, _tuned
+from coda._activations import GELU_TANH
+from coda.bench import _commit, _configs, _device_slug, _tuned
 
 
 class Sampler:
@@ -105,21 +106,20 @@ def main(argv: List[str]) -> int:
     dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w2 = (torch.randn(d, f, device="cuda") * f**-0.5).to(torch.bfloat16)
     h1 = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
-    gelu = 1  # coda's activation code for tanh GELU
     cases: Dict[str, Dict[str, Callable[[], object]]] = {
         # fc1's forward: ping-pong as shipped, and the cooperative kernel (0)
         f"power_fc1_fwd_{m}x{d}x{f}": {
             "cublas": lambda: torch.matmul(x, w1.t()),
             "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
-            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, False),
-            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True),
+            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, False),
+            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True),
             "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
         },
         # fc2's dgrad (cooperative), plain and with GELU' and db1
         f"power_fc2_dgrad_{m}x{d}x{f}": {
             "cublas": lambda: torch.matmul(dy, w2),
             "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
-            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, gelu, True),
+            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True),
         },
     }
     # Candidate configurations, forced through the tuning override; an op
@@ -131,10 +131,10 @@ def main(argv: List[str]) -> int:
             cases[fc1][f"coda[c{c},plain]"] = _tuned(
                 lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=c)
             cases[fc1][f"coda[c{c},gelu,save_h]"] = _tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, gelu, True), config=c)
+                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), config=c)
         if c in _configs("dgrad"):
             cases[fc2][f"coda[c{c},dgelu+dbias]"] = _tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, gelu, True), config=c)
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), config=c)
     for impls in cases.values():
         for fn in impls.values():
             fn()
@@ -161,8 +161,7 @@ def main(argv: List[str]) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         date = datetime.datetime.now(datetime.timezone.utc)
-        slug = torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
-        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{slug}-power.json")
+        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{_device_slug(torch.cuda.get_device_name())}-power.json")
         with open(path, "w") as fh:
             json.dump({"commit": _commit(), "date": date.isoformat(timespec="seconds"),
                        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",

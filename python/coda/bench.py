@@ -42,6 +42,11 @@ def _commit() -> str:
         return "unknown"
 
 
+def _device_slug(device_name: str) -> str:
+    """The device part of a results file's name: "NVIDIA H200" -> "h200"."""
+    return device_name.lower().replace("nvidia ", "").replace(" ", "-")
+
+
 def _time_gpu(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> Dict[str, float]:
     try:
         from triton.testing import do_bench
@@ -638,8 +643,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return
         os.makedirs(args.out, exist_ok=True)
         date = datetime.datetime.now(datetime.timezone.utc)
-        slug = device_name.lower().replace("nvidia ", "").replace(" ", "-")
-        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{slug}{'-sweep' if args.only_sweep else ''}.json")
+        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{_device_slug(device_name)}"
+                                      f"{'-sweep' if args.only_sweep else ''}.json")
         doc = {
             "commit": _commit(),
             "date": date.isoformat(timespec="seconds"),
