@@ -61,6 +61,49 @@ class Sampler:
         self.proc.wait()
 
 
+def variants(m: int, d: int, f: int, configs: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+    """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
+    (benchmarks/profile_kernel.py launches one of them for Nsight Compute)."""
+    torch.manual_seed(0)
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
+    b1 = torch.randn(f, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w2 = (torch.randn(d, f, device="cuda") * f**-0.5).to(torch.bfloat16)
+    h1 = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
+    cases: Dict[str, Dict[str, Callable[[], object]]] = {
+        # fc1's forward: ping-pong as shipped, and the cooperative kernel (0)
+        "fc1_fwd": {
+            "cublas": lambda: torch.matmul(x, w1.t()),
+            "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
+            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, False),
+            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True),
+            "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
+        },
+        # fc2's dgrad (cooperative), plain and with GELU' and db1
+        "fc2_dgrad": {
+            "cublas": lambda: torch.matmul(dy, w2),
+            "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
+            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True),
+        },
+    }
+    # Candidate configurations, forced through the tuning override; an op
+    # not built in one would silently run its first configuration, so those
+    # are left out.
+    for c in configs:
+        if c in _configs("linear"):
+            cases["fc1_fwd"][f"coda[c{c},plain]"] = _tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=c)
+            cases["fc1_fwd"][f"coda[c{c},gelu,save_h]"] = _tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), config=c)
+        if c in _configs("dgrad"):
+            cases["fc2_dgrad"][f"coda[c{c},dgrad]"] = _tuned(
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), config=c)
+            cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = _tuned(
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), config=c)
+    return cases
+
+
 def run_phase(fn: Callable[[], object], seconds: float) -> Tuple[float, float, float]:
     """fn back to back for `seconds`; (start, end of the settled part, ms per launch there)."""
     start = time.time()
@@ -98,43 +141,9 @@ def main(argv: List[str]) -> int:
         print("power_probe: needs an sm_90 GPU; nothing measured")
         return 0
 
-    torch.manual_seed(0)
     m, d, f = args.tokens, args.hidden, args.ffn
-    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-    w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
-    b1 = torch.randn(f, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-    w2 = (torch.randn(d, f, device="cuda") * f**-0.5).to(torch.bfloat16)
-    h1 = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
-    cases: Dict[str, Dict[str, Callable[[], object]]] = {
-        # fc1's forward: ping-pong as shipped, and the cooperative kernel (0)
-        f"power_fc1_fwd_{m}x{d}x{f}": {
-            "cublas": lambda: torch.matmul(x, w1.t()),
-            "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
-            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, False),
-            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True),
-            "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
-        },
-        # fc2's dgrad (cooperative), plain and with GELU' and db1
-        f"power_fc2_dgrad_{m}x{d}x{f}": {
-            "cublas": lambda: torch.matmul(dy, w2),
-            "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
-            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True),
-        },
-    }
-    # Candidate configurations, forced through the tuning override; an op
-    # not built in one would silently run its first configuration, so those
-    # are left out.
-    fc1, fc2 = list(cases)
-    for c in (int(v) for v in args.configs.split(",") if v):
-        if c in _configs("linear"):
-            cases[fc1][f"coda[c{c},plain]"] = _tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=c)
-            cases[fc1][f"coda[c{c},gelu,save_h]"] = _tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), config=c)
-        if c in _configs("dgrad"):
-            cases[fc2][f"coda[c{c},dgelu+dbias]"] = _tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), config=c)
+    configs = [int(v) for v in args.configs.split(",") if v]
+    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in variants(m, d, f, configs).items()}
     for impls in cases.values():
         for fn in impls.values():
             fn()

@@ -250,11 +250,11 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // swizzle atom of an N-major B; 14 for linear, dgrad and wgrad) were the
 // ec92be5 sweep's.
 // 15: ping-pong without smem for the epilogue's aux tensors (8d81d04, 4ce0c57).
-// 6 and 9, larger tiles, lost on time in earlier sweeps; they are here for
-// the power probe, which asks about energy: per MAC, 6 reads ~15% fewer smem
-// bytes than 1, both read fewer bytes from L2.
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux,
-                            C::kPingpong128x192Cluster2x1, C::kCooperative256x128Cluster2x1>;
+// 6 and 9 (larger tiles: per MAC, 6 reads ~15% fewer smem bytes than 1,
+// both fewer L2 bytes) spent more energy than 1 on fc1's forward, not less
+// (power probe at c067b5f: 1.030 and 1.151 cuBLAS's joules plain, against
+// 1.004), and are no longer built.
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue.

@@ -4,7 +4,7 @@
 # example against the installed package, and the benchmarks; logs and results
 # go to OUT_DIR.
 #
-#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --power]
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --power | --profile]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # --quick skips the kernel-configuration sweep; BENCH_ARGS (e.g. "--only norm") go to coda.bench,
@@ -19,7 +19,10 @@
 # (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
 # --power builds them and runs only benchmarks/power_probe.py (clock and
 # power per GEMM variant); POWER_SWEEP=1 builds the sweep's candidates too,
-# for POWER_ARGS="--configs 6,15" and the like.
+# for POWER_ARGS="--configs 15" and the like.
+# --profile builds as --power does and runs Nsight Compute on each variant
+# named in PROFILE_VARIANTS ("case:impl;case:impl", benchmarks/profile_kernel.py
+# --list names them; PROFILE_CONFIGS adds candidates), one report in profile.log.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -42,7 +45,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 step "build"
 export CODA_BUILD_DIR="$ROOT/build/gpu"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-if [ "$QUICK" = "--sweep" ] || [ "${POWER_SWEEP:-0}" = 1 ]; then
+if [ "$QUICK" = "--sweep" ] || [ "${POWER_SWEEP:-0}" = 1 ] || [ -n "${PROFILE_CONFIGS:-}" ]; then
   export CODA_BUILD_DIR="$ROOT/build/gpu-sweep" CODA_CMAKE_ARGS="-DCODA_SWEEP_CONFIGS=ON"
 fi
 start=$SECONDS
@@ -54,6 +57,32 @@ if [ "$QUICK" = "--power" ]; then
   step "clock and power per GEMM variant"
   python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
   cat "$OUT/power.log"
+  step "done, status $status"
+  exit $status
+fi
+
+if [ "$QUICK" = "--profile" ]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
+  IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:?case:impl;...}"
+  for v in "${variants[@]}"; do
+    step "ncu: $v"
+    # The clocks stay as the GPU sets them (device rules); replay restores memory between passes.
+    timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
+      -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
+      --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,sm__inst_executed_pipe_fma.sum,sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
+      python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" \
+      >> "$OUT/profile.log" 2>&1 ||
+      # a metric this ncu does not know fails the whole call: once more with the sections alone
+      timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
+        -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
+        python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" \
+        >> "$OUT/profile.log" 2>&1 || { status=1; echo "ncu failed on $v"; }
+    echo "=== end of $v" >> "$OUT/profile.log"
+  done
+  grep -E "^  [a-zA-Z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|=== end|bank_conflicts|inst_executed|dram__bytes|lts__t_bytes|Registers Per|Shared Memory Config" "$OUT/profile.log" | head -400
   step "done, status $status"
   exit $status
 fi
