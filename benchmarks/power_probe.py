@@ -61,9 +61,11 @@ class Sampler:
         self.proc.wait()
 
 
-def variants(m: int, d: int, f: int, configs: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
+             swizzle: int = -1) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
-    (benchmarks/profile_kernel.py launches one of them for Nsight Compute)."""
+    (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
+    raster / swizzle (-1: the heuristic's) apply to the candidate configurations."""
     torch.manual_seed(0)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
@@ -90,17 +92,20 @@ def variants(m: int, d: int, f: int, configs: List[int] = ()) -> Dict[str, Dict[
     # Candidate configurations, forced through the tuning override; an op
     # not built in one would silently run its first configuration, so those
     # are left out.
+    def tuned(fn, c):
+        return _tuned(fn, config=c, raster=raster, swizzle=swizzle)
+
     for c in configs:
         if c in _configs("linear"):
-            cases["fc1_fwd"][f"coda[c{c},plain]"] = _tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=c)
-            cases["fc1_fwd"][f"coda[c{c},gelu,save_h]"] = _tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), config=c)
+            cases["fc1_fwd"][f"coda[c{c},plain]"] = tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), c)
+            cases["fc1_fwd"][f"coda[c{c},gelu,save_h]"] = tuned(
+                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), c)
         if c in _configs("dgrad"):
-            cases["fc2_dgrad"][f"coda[c{c},dgrad]"] = _tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), config=c)
-            cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = _tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), config=c)
+            cases["fc2_dgrad"][f"coda[c{c},dgrad]"] = tuned(
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), c)
+            cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = tuned(
+                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), c)
     return cases
 
 

@@ -25,6 +25,8 @@ def main(argv) -> int:
     p.add_argument("case", nargs="?", help="fc1_fwd or fc2_dgrad")
     p.add_argument("impl", nargs="?", help="an impl of that case, e.g. 'coda[dgelu+dbias]'")
     p.add_argument("--configs", default="", help="candidate configurations to add, as power_probe's --configs")
+    p.add_argument("--raster", type=int, default=-1, help="for the candidate configurations (1: along M, 2: along N)")
+    p.add_argument("--swizzle", type=int, default=-1)
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
@@ -34,7 +36,8 @@ def main(argv) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("profile_kernel: needs an sm_90 GPU; nothing launched")
         return 0
-    cases = variants(args.tokens, args.hidden, args.ffn, [int(v) for v in args.configs.split(",") if v])
+    cases = variants(args.tokens, args.hidden, args.ffn, [int(v) for v in args.configs.split(",") if v],
+                     args.raster, args.swizzle)
     if args.list or not args.case:
         for case, impls in cases.items():
             for impl in impls:

@@ -22,7 +22,8 @@
 # for POWER_ARGS="--configs 15" and the like.
 # --profile builds as --power does and runs Nsight Compute on each variant
 # named in PROFILE_VARIANTS ("case:impl;case:impl", benchmarks/profile_kernel.py
-# --list names them; PROFILE_CONFIGS adds candidates), one report in profile.log.
+# --list names them; PROFILE_CONFIGS adds candidates, PROFILE_RASTER sets their
+# raster order), one report in profile.log.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -72,13 +73,13 @@ if [ "$QUICK" = "--profile" ]; then
       -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
       --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,sm__inst_executed_pipe_fma.sum,sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
-      python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" \
+      python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" --raster "${PROFILE_RASTER:--1}" \
       >> "$OUT/profile.log" 2>&1 ||
       # a metric this ncu does not know fails the whole call: once more with the sections alone
       timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
         -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
-        python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" \
+        python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" --raster "${PROFILE_RASTER:--1}" \
         >> "$OUT/profile.log" 2>&1 || { status=1; echo "ncu failed on $v"; }
     echo "=== end of $v" >> "$OUT/profile.log"
   done
