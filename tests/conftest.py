@@ -20,12 +20,13 @@ def gpu_skip_reason():
 
 
 def pytest_sessionstart(session):
-    # CODA_TEST_TUNING="config,raster,swizzle[,l2_hints]" runs every GPU test
-    # on the kernels a tuning override picks (a sweep build's candidates among
-    # them), so a candidate meets the same checks before it ships.
+    # CODA_TEST_TUNING="config,raster,swizzle" runs every GPU test on the
+    # kernels a tuning override picks (a sweep build's candidates among them),
+    # so a candidate meets the same checks before it ships.
     tuning = os.environ.get("CODA_TEST_TUNING")
     if tuning and _kernels.available():
-        torch.ops.coda.set_tuning(*(int(v) for v in tuning.split(",")))
+        config, raster, swizzle = (int(v) for v in tuning.split(","))
+        torch.ops.coda.set_tuning(config, raster, swizzle)
 
 
 def pytest_collection_modifyitems(config, items):
