@@ -61,12 +61,11 @@ class Sampler:
         self.proc.wait()
 
 
-def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1, swizzle: int = -1,
-             l2_hints: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
+             swizzle: int = -1) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
     (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
-    raster / swizzle (-1: the heuristic's) apply to the candidate configurations;
-    each of l2_hints adds the shipped kernels with that L2-hint setting."""
+    raster / swizzle (-1: the heuristic's) apply to the candidate configurations."""
     torch.manual_seed(0)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
@@ -107,15 +106,6 @@ def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1, 
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), c)
             cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = tuned(
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), c)
-    for h in l2_hints:
-        cases["fc1_fwd"][f"coda[plain,l2h{h}]"] = _tuned(
-            lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), l2_hints=h)
-        cases["fc1_fwd"][f"coda[gelu,save_h,l2h{h}]"] = _tuned(
-            lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), l2_hints=h)
-        cases["fc2_dgrad"][f"coda[dgrad,l2h{h}]"] = _tuned(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), l2_hints=h)
-        cases["fc2_dgrad"][f"coda[dgelu+dbias,l2h{h}]"] = _tuned(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), l2_hints=h)
     return cases
 
 
@@ -150,7 +140,6 @@ def main(argv: List[str]) -> int:
     p.add_argument("--configs", default="",
                    help="comma-separated kernel configuration values (kernel_configs) to probe too, "
                         "each where the op is built in it (a sweep build has more)")
-    p.add_argument("--l2-hints", default="", help="comma-separated L2-hint settings to probe the shipped kernels with")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -159,9 +148,7 @@ def main(argv: List[str]) -> int:
 
     m, d, f = args.tokens, args.hidden, args.ffn
     configs = [int(v) for v in args.configs.split(",") if v]
-    hints = [int(v) for v in args.l2_hints.split(",") if v]
-    cases = {f"power_{name}_{m}x{d}x{f}": impls
-             for name, impls in variants(m, d, f, configs, l2_hints=hints).items()}
+    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in variants(m, d, f, configs).items()}
     for impls in cases.values():
         for fn in impls.values():
             fn()

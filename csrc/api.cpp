@@ -110,7 +110,6 @@ struct Choice {
   kernels::Config config = kernels::Config::kCooperative128x256;
   int raster = 0;   // 0: CUTLASS's heuristic, 1: along M, 2: along N
   int swizzle = 1;
-  int l2_hints = 0;  // kernels::GemmProblem::l2_hints
 };
 
 // Tuning overrides (benchmark sweeps) win over the heuristics.
@@ -119,7 +118,6 @@ Choice apply_tuning(Choice c) {
   if (t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
-  if (t.l2_hints >= 0) c.l2_hints = t.l2_hints;
   return c;
 }
 
@@ -136,7 +134,6 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
   p.stream = stream;
   p.raster = choice.raster;
   p.swizzle = choice.swizzle;
-  p.l2_hints = choice.l2_hints;
   return p;
 }
 

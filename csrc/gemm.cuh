@@ -237,81 +237,6 @@ struct MainloopFor<Tile, cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA
   using type = cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA, EB, SB, TiledMma, GA, LA, CA, TA, GB, LB, CB, TB>;
 };
 
-// The mainloop with an L2 eviction priority on each operand's TMA loads.
-//
-// A persistent raster walks a band of a few tile columns across the whole
-// other dimension (along M: a band of B panels down all of A), so the band's
-// panels are read again by every tile of the walk while each panel of the
-// other operand serves one band row and is not read again until the next
-// band. Without hints L2 keeps neither: Nsight Compute on fc1's forward
-// (ping-pong, along M, swizzle 8; gpu_check --profile, 785da3f) counted
-// 2.15 GB of DRAM reads for 256 MB of operands, 3.47 GB when the epilogue
-// also stores H, whose lines push the band out, and at the H200's power cap
-// DRAM bytes cost clock. L2Hints asks L2 to keep the band (evict-last) and,
-// with kKeepBandStreamOther, to drop the streamed panels first.
-//
-// Everything but load() is the builder's collective; load() issues the same
-// TMA copies with the hints added.
-template <class Base>
-struct L2HintedMainloop : Base {
-  using Hint = cute::TMA::CacheHintSm90;
-  struct Arguments : Base::Arguments {
-    Hint hint_a = Hint::EVICT_NORMAL;
-    Hint hint_b = Hint::EVICT_NORMAL;
-  };
-  struct Params : Base::Params {
-    Hint hint_a = Hint::EVICT_NORMAL;
-    Hint hint_b = Hint::EVICT_NORMAL;
-  };
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void* workspace) {
-    return {Base::to_underlying_arguments(shape, args, workspace), args.hint_a, args.hint_b};
-  }
-
-  // The producer warp's loads of one tile's k-blocks into the smem pipeline.
-  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(Params const& params, typename Base::MainloopPipeline pipeline,
-                           typename Base::PipelineState write_state, cute::tuple<TensorA, TensorB> const& inputs,
-                           BlockCoord const& blk_coord, KTileIterator k_tile, int k_tile_count, int /*thread_idx*/,
-                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& storage) {
-    using namespace cute;
-    using Cluster = typename Base::DispatchPolicy::ClusterShape;
-    if (!elect_one_sync()) return;
-    Tensor sA = make_tensor(make_smem_ptr(storage.smem_A.data()), typename Base::SmemLayoutA{});  // (M, K, stage)
-    Tensor sB = make_tensor(make_smem_ptr(storage.smem_B.data()), typename Base::SmemLayoutB{});  // (N, K, stage)
-    // This CTA's place in its cluster: x along M, y along N.
-    constexpr uint32_t kClusterM = size<0>(Cluster{});
-    const uint32_t in_m = block_rank_in_cluster % kClusterM, in_n = block_rank_in_cluster / kClusterM;
-    // A is shared by the CTAs of a cluster row (same m), B by a cluster column.
-    auto tma_a = params.tma_load_a.get_slice(in_n);
-    auto tma_b = params.tma_load_b.get_slice(in_m);
-    auto [m, n, k, l] = blk_coord;
-    Tensor gA = tma_a.partition_S(get<0>(inputs)(_, _, m, _, l));  // (TMA, M, K, k-block)
-    Tensor gB = tma_b.partition_S(get<1>(inputs)(_, _, n, _, l));
-    Tensor dA = tma_a.partition_D(sA);
-    Tensor dB = tma_b.partition_D(sB);
-
-    uint16_t mask_a = 0, mask_b = 0;
-    auto rank = Layout<Cluster>{};  // (m, n) in cluster -> block rank
-    if constexpr (is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
-      for (int j = 0; j < size<1>(rank); ++j) mask_a |= uint16_t(1) << rank(in_m, j, Int<0>{});
-    }
-    if constexpr (is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
-      for (int i = 0; i < size<0>(rank); ++i) mask_b |= uint16_t(1) << rank(i, in_n, Int<0>{});
-    }
-
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; k_tile_count > 0; --k_tile_count, ++k_tile, ++write_state) {
-      pipeline.producer_acquire(write_state);
-      auto* full = pipeline.producer_get_barrier(write_state);
-      const int stage = write_state.index();
-      copy(params.tma_load_a.with(*full, mask_a, params.hint_a), gA(_, _, _, *k_tile), dA(_, _, _, stage));
-      copy(params.tma_load_b.with(*full, mask_b, params.hint_b), gB(_, _, _, *k_tile), dB(_, _, _, stage));
-    }
-  }
-};
-
 template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
 struct Gemm {
   using Element = typename ElementOf<T>::type;
@@ -353,7 +278,7 @@ struct Gemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tile::KernelSchedule>::CollectiveOp;
 
-  using Mainloop = L2HintedMainloop<typename MainloopFor<Tile, BuiltMainloop, Element, LayoutA, LayoutB>::type>;
+  using Mainloop = typename MainloopFor<Tile, BuiltMainloop, Element, LayoutA, LayoutB>::type;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       CollectiveEpilogue, typename Tile::TileScheduler>;
   using Device = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -373,8 +298,8 @@ struct Gemm {
     typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {int(p.m), int(p.n), int(p.k), 1},
-        {{static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
-          static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)}},
+        {static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
+         static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
         {EpilogueProgram::to_callbacks(epilogue), nullptr, stride_from_ld<StrideD>(p.ldd),
          static_cast<Element*>(p.d), stride_from_ld<StrideD>(p.ldd)},
         hw_info};
@@ -382,13 +307,6 @@ struct Gemm {
     args.scheduler.raster_order =
         p.raster == 1 ? Raster::AlongM : (p.raster == 2 ? Raster::AlongN : Raster::Heuristic);
     args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
-    // The band a raster keeps: B panels when it walks along M, A panels along N.
-    using Hint = typename Mainloop::Hint;
-    if (p.l2_hints != 0 && (p.raster == 1 || p.raster == 2)) {
-      const Hint stream = p.l2_hints == 2 ? Hint::EVICT_FIRST : Hint::EVICT_NORMAL;
-      args.mainloop.hint_a = p.raster == 1 ? stream : Hint::EVICT_LAST;
-      args.mainloop.hint_b = p.raster == 1 ? Hint::EVICT_LAST : stream;
-    }
     return args;
   }
 

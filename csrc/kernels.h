@@ -85,7 +85,6 @@ struct GemmProblem {
   int64_t ldd = 0;
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
   int swizzle = 1;
-  int l2_hints = 0;  // 0 none, 1 the raster's band loaded evict-last, 2 also the other operand evict-first
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;

@@ -179,11 +179,10 @@ def _grads(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
 
 
-def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1,
-           l2_hints: int = -1) -> Callable[[], object]:
+def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1) -> Callable[[], object]:
     """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice)."""
     def run():
-        torch.ops.coda.set_tuning(config, raster, swizzle, l2_hints)
+        torch.ops.coda.set_tuning(config, raster, swizzle)
         try:
             return fn()
         finally:

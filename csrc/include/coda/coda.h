@@ -235,14 +235,11 @@ bool device_supported(int device);
 // Kernel choice, for tuning sweeps. -1 leaves a field to coda's heuristic.
 // config: a configuration's value as kernel_configs lists it (an op not built
 // in that configuration runs its default);
-// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
-// l2_hints: 0 none, 1 the raster's band of operand panels loaded
-// evict-last, 2 also the other operand evict-first.
+// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8.
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
-  int l2_hints = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
