@@ -257,7 +257,10 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
-// latency stalls the epilogue.
+// latency stalls the epilogue. Nsight Compute says why the smem one loses:
+// on fc2's dgrad it read 3.6-4.9 GB from DRAM plain and 6.3-10.9 GB with H
+// (raster 1-2), against the cooperative kernel's 2.3 and 3.1-3.9 GB
+// (logs/*-f92d62b-profile.log, *-785da3f-profile.log).
 using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
