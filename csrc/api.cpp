@@ -261,7 +261,8 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 // on fc2's dgrad it read 3.6-4.9 GB from DRAM plain and 6.3-10.9 GB with H
 // (raster 1-2), against the cooperative kernel's 2.3 and 3.1-3.9 GB
 // (logs/*-f92d62b-profile.log, *-785da3f-profile.log).
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+// 16: the epilogue's loads 3 deep (H in fc2's dgrad), for the same smem.
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperative128x256EpiLoad3>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
@@ -350,6 +351,7 @@ const char* config_name(Config c) {
     case Config::kSplitN192x192: return "splitn_192x192_2x1";
     case Config::kSplitN320x128: return "splitn_320x128_1x2";
     case Config::kPingpong128x128DirectAux: return "pingpong_128x128_1x2_direct_aux";
+    case Config::kCooperative128x256EpiLoad3: return "cooperative_128x256_2x1_epiload3";
   }
   return "unknown";
 }

@@ -72,6 +72,12 @@ enum class Config : int {
   // registers and global memory, no smem (PingpongTile in gemm.cuh): tied
   // with 1 where the epilogue loads nothing, lost where it loads.
   kPingpong128x128DirectAux = 15,  // as 1, aux loads and stores without smem
+  // The cooperative epilogue runs after its tile's mainloop, not beside it,
+  // so a loaded tensor's latency is paid per subtile not in flight: fc2's
+  // dgrad with GELU' and db1 takes 1.08-1.10x cuBLAS's cycles at a higher
+  // clock (power probe, c067b5f and fcd48ef). Same smem as 0: the loads
+  // 3 stages deep instead of 2, D through one buffer instead of 2.
+  kCooperative128x256EpiLoad3 = 16,  // as 0, epilogue loads 3 deep, stores 1
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
