@@ -261,8 +261,9 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 // on fc2's dgrad it read 3.6-4.9 GB from DRAM plain and 6.3-10.9 GB with H
 // (raster 1-2), against the cooperative kernel's 2.3 and 3.1-3.9 GB
 // (logs/*-f92d62b-profile.log, *-785da3f-profile.log).
-// 16: the epilogue's loads 3 deep (H in fc2's dgrad), for the same smem.
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperative128x256EpiLoad3>;
+// 16 (the epilogue's loads 3 deep, D through one buffer) lost in the a7c6072
+// power probe (kernels.h).
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
