@@ -66,21 +66,20 @@ if [ "$QUICK" = "--profile" ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
   IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:?case:impl;...}"
+  sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+            --section SchedulerStats --section WarpStateStats --section LaunchStats)
+  metrics=(--metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,sm__inst_executed_pipe_fma.sum,sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum)
+  # The clocks stay as the GPU sets them (device rules); replay restores memory between passes.
+  ncu_on() {
+    timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
+      -k 'regex:device_kernel|nvjet' "${sections[@]}" "${@:2}" \
+      python3 benchmarks/profile_kernel.py "${1%%:*}" "${1#*:}" --configs "${PROFILE_CONFIGS:-}" \
+      --raster "${PROFILE_RASTER:--1}" >> "$OUT/profile.log" 2>&1
+  }
   for v in "${variants[@]}"; do
     step "ncu: $v"
-    # The clocks stay as the GPU sets them (device rules); replay restores memory between passes.
-    timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
-      -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
-      --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,sm__inst_executed_pipe_fma.sum,sm__inst_executed_pipe_alu.sum,sm__inst_executed.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \
-      python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" --raster "${PROFILE_RASTER:--1}" \
-      >> "$OUT/profile.log" 2>&1 ||
-      # a metric this ncu does not know fails the whole call: once more with the sections alone
-      timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
-        -k 'regex:device_kernel|nvjet' --section SpeedOfLight --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats \
-        python3 benchmarks/profile_kernel.py "${v%%:*}" "${v#*:}" --configs "${PROFILE_CONFIGS:-}" --raster "${PROFILE_RASTER:--1}" \
-        >> "$OUT/profile.log" 2>&1 || { status=1; echo "ncu failed on $v"; }
+    # a metric this ncu does not know fails the whole call: once more with the sections alone
+    ncu_on "$v" "${metrics[@]}" || ncu_on "$v" || { status=1; echo "ncu failed on $v"; }
     echo "=== end of $v" >> "$OUT/profile.log"
   done
   grep -E "^  [a-zA-Z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|=== end|bank_conflicts|inst_executed|dram__bytes|lts__t_bytes|Registers Per|Shared Memory Config" "$OUT/profile.log" | head -400
