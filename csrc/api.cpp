@@ -262,7 +262,7 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 // (raster 1-2), against the cooperative kernel's 2.3 and 3.1-3.9 GB
 // (logs/*-f92d62b-profile.log, *-785da3f-profile.log).
 // 16 (the epilogue's loads 3 deep, D through one buffer) lost in the a7c6072
-// power probe (kernels.h).
+// power probe and was removed (kernels.h).
 using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
@@ -352,7 +352,6 @@ const char* config_name(Config c) {
     case Config::kSplitN192x192: return "splitn_192x192_2x1";
     case Config::kSplitN320x128: return "splitn_320x128_1x2";
     case Config::kPingpong128x128DirectAux: return "pingpong_128x128_1x2_direct_aux";
-    case Config::kCooperative128x256EpiLoad3: return "cooperative_128x256_2x1_epiload3";
   }
   return "unknown";
 }

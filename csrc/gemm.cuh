@@ -66,14 +66,6 @@ struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, Epi
   using SmemSwizzleTile = SwizzleTile;
 };
 
-// Deeper epilogue loads for the same smem: at most LoadStages buffers per
-// loaded tensor, StoreStages per stored one (Config::kCooperative128x256EpiLoad3).
-template <class Tile, class Cluster, int LoadStages, int StoreStages>
-struct CooperativeEpiStagesTile : CooperativeTile<Tile, Cluster> {
-  static constexpr int kEpilogueLoadStages = LoadStages;
-  static constexpr int kEpilogueStoreStages = StoreStages;
-};
-
 // DirectAux: the epilogue program's aux loads and stores move between
 // registers and global memory (CUTLASS's Sm90AuxLoad / Sm90AuxStore with 0
 // stages) instead of through smem and TMA. The question it answered: ping-pong
@@ -147,9 +139,6 @@ template <>
 struct TileConfig<Config::kPingpong128x128Epi64>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
 template <>
-struct TileConfig<Config::kCooperative128x256EpiLoad3>
-    : CooperativeEpiStagesTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, 3, 1> {};
-template <>
 struct TileConfig<Config::kPingpong128x128DirectAux>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, EpilogueTileAuto, true> {};
 
@@ -186,8 +175,7 @@ inline int sm_count(int device) {
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
-          class SwizzleTile = void, bool DirectAux = false, int LoadStages = kEpilogueLoadStages,
-          int StoreStages = 0>
+          class SwizzleTile = void, bool DirectAux = false>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
   // A named subtile is used as given: CUTLASS's helper would refuse the
@@ -205,10 +193,9 @@ struct EpilogueRecipe {
   using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
                                   cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>, Element,
                                   SmemSwizzleTile>());
-  static constexpr int kLoadCap = MaxStages > 0 && MaxStages < LoadStages ? MaxStages : LoadStages;
+  static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
   static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
-  static constexpr int kStoreCap = StoreStages > 0 ? StoreStages : MaxStages;
-  static constexpr int StagesD = kStoreCap > 0 && kStoreCap < Stock::StagesD ? kStoreCap : Stock::StagesD;
+  static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
                                                                    Stock::ReuseSmemC, Stock::DelayTmaStore>;
   // The stages of the program's aux loads and stores (0: registers <-> global).
@@ -224,17 +211,6 @@ template <class Tile>
 struct SwizzleTileOf<Tile, std::void_t<typename Tile::SmemSwizzleTile>> {
   using type = typename Tile::SmemSwizzleTile;
 };
-
-template <class Tile, class = void>
-struct EpilogueLoadStagesOf : std::integral_constant<int, kEpilogueLoadStages> {};
-template <class Tile>
-struct EpilogueLoadStagesOf<Tile, std::void_t<decltype(Tile::kEpilogueLoadStages)>>
-    : std::integral_constant<int, Tile::kEpilogueLoadStages> {};
-template <class Tile, class = void>
-struct EpilogueStoreStagesOf : std::integral_constant<int, 0> {};
-template <class Tile>
-struct EpilogueStoreStagesOf<Tile, std::void_t<decltype(Tile::kEpilogueStoreStages)>>
-    : std::integral_constant<int, Tile::kEpilogueStoreStages> {};
 
 template <class Tile, class = void>
 struct IsSplitN : std::false_type {};
@@ -273,8 +249,7 @@ struct Gemm {
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
   using EpilogueDescriptor =
       EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
-                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux,
-                     EpilogueLoadStagesOf<Tile>::value, EpilogueStoreStagesOf<Tile>::value>;
+                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
   // The collective builder's assembly (Sm90TmaBuilderImpl), with the

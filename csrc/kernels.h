@@ -72,16 +72,12 @@ enum class Config : int {
   // registers and global memory, no smem (PingpongTile in gemm.cuh): tied
   // with 1 where the epilogue loads nothing, lost where it loads.
   kPingpong128x128DirectAux = 15,  // as 1, aux loads and stores without smem
-  // The cooperative epilogue runs after its tile's mainloop, not beside it,
-  // so a loaded tensor's latency is paid per subtile not in flight: fc2's
-  // dgrad with GELU' and db1 takes 1.08-1.10x cuBLAS's cycles at a higher
-  // clock (power probe, c067b5f and fcd48ef). Same smem as 0: the loads
-  // 3 stages deep instead of 2, D through one buffer instead of 2. It lost
-  // (a7c6072 power probe, against cuBLAS: 1.114x the cycles with GELU' and
-  // db1 where 0 took 1.078x, 1.043x plain against 1.015x): D's one buffer
-  // costs more than the third H buffer saves. Not built; the GPU tests
-  // passed on it.
-  kCooperative128x256EpiLoad3 = 16,  // as 0, epilogue loads 3 deep, stores 1
+  // 16 was 0 with the epilogue's loads 3 stages deep and D through one
+  // buffer (the same smem), asking whether fc2's dgrad epilogue (1.08-1.10x
+  // cuBLAS's cycles at a higher clock) waits on its H loads. It lost: 1.114x
+  // the cycles with GELU' and db1 where 0 took 1.078x, 1.043x plain against
+  // 1.015x (a7c6072 power probe; the GPU tests passed on it). Removed with
+  // the recipe parameters it needed (commit a7c6072 has them).
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
