@@ -9,6 +9,7 @@
 #include "coda/coda.h"
 #include "error.h"
 #include "kernels.h"
+#include "l2_policy.hpp"
 
 namespace coda {
 
@@ -329,6 +330,9 @@ bool device_supported(int device) {
 void set_tuning(const Tuning& tuning) {
   std::lock_guard<std::mutex> lock(tuning_mutex);
   tuning_override = tuning;
+  const int bits = tuning.store_l2 >= 0 ? tuning.store_l2 : epilogues::kStoreL2EvictFirstDefault;
+  epilogues::store_l2_policy().d = epilogues::store_l2_policy_of(bits, 1);
+  epilogues::store_l2_policy().aux = epilogues::store_l2_policy_of(bits, 2);
 }
 
 Tuning get_tuning() { return current_tuning(); }

@@ -17,6 +17,7 @@
 
 #include <string>
 
+#include "store_l2.hpp"
 #include "error.h"
 #include "kernels.h"
 
@@ -263,7 +264,7 @@ struct Gemm {
       typename EpilogueProgram::Callbacks,
       cute::SM90_TMA_LOAD, typename EpilogueDescriptor::SmemLayoutAtom,
       decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, Element, EpiTile>()),
-      cute::SM90_TMA_STORE, typename EpilogueDescriptor::SmemLayoutAtom,
+      epilogues::TmaStoreL2, typename EpilogueDescriptor::SmemLayoutAtom,
       decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<StrideD_, Element, EpiTile>()),
       cute::Copy_Atom<cute::SM90_U32x4_STSM_N, cutlass::half_t>,  // EpiTile's N is a multiple of 16
       void>;
@@ -329,7 +330,12 @@ struct Gemm {
                                                           " bytes, needs " + std::to_string(need));
     }
     st = gemm.initialize(args, p.workspace, p.stream);
-    if (st == cutlass::Status::kSuccess) st = gemm.run(p.stream);
+    if (st == cutlass::Status::kSuccess) {
+      // D's L2 priority rides in its TMA copy (store_l2.hpp).
+      auto params = gemm.params();
+      params.epilogue.tma_store_d.cache_hint_ = epilogues::store_l2_policy().d.load(std::memory_order_relaxed);
+      st = Device::run(params, p.stream);
+    }
     cudaError_t launch = cudaGetLastError();
     if (launch != cudaSuccess) {
       return detail::fail(Status::kCudaError, std::string("kernel launch: ") + cudaGetErrorString(launch));

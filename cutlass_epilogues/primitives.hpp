@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "norm_ops.hpp"
+#include "store_l2.hpp"
 
 namespace coda::epilogues {
 
@@ -62,10 +63,18 @@ struct Primitives {
   using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, EpilogueTile, Element, StrideMN,
                                                       typename LoadDesc::SmemLayoutAtom, typename LoadDesc::CopyOpS2R,
                                                       kAlignment>;
-  // The child's value, also written as an (M, N) Element tensor (null: not written).
-  using Store = cutlass::epilogue::fusion::Sm90AuxStore<StoreDesc::Stages, EpilogueTile, Element, Round, StrideMN,
-                                                        typename StoreDesc::SmemLayoutAtom,
-                                                        typename StoreDesc::CopyOpR2S, kAlignment>;
+  // The child's value, also written as an (M, N) Element tensor (null: not
+  // written): through smem with an L2-hinted TMA store (store_l2.hpp), or
+  // with 0 stages straight from registers.
+  template <int Stages>
+  using StoreWith = std::conditional_t<
+      Stages == 0,
+      cutlass::epilogue::fusion::Sm90AuxStore<0, EpilogueTile, Element, Round, StrideMN,
+                                              typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S,
+                                              kAlignment>,
+      AuxStoreL2<(Stages > 0 ? Stages : 1), EpilogueTile, Element, Round, StrideMN,
+                 typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment>>;
+  using Store = StoreWith<StoreDesc::Stages>;
   // Per-row / per-column vectors (null: the default value).
   using PerRowF32 = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
   using PerColF32 = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;

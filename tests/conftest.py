@@ -20,13 +20,12 @@ def gpu_skip_reason():
 
 
 def pytest_sessionstart(session):
-    # CODA_TEST_TUNING="config,raster,swizzle" runs every GPU test on the
-    # kernels a tuning override picks (a sweep build's candidates among them),
-    # so a candidate meets the same checks before it ships.
+    # CODA_TEST_TUNING="config,raster,swizzle[,store_l2]" runs every GPU test
+    # on the kernels a tuning override picks (a sweep build's candidates among
+    # them), so a candidate meets the same checks before it ships.
     tuning = os.environ.get("CODA_TEST_TUNING")
     if tuning and _kernels.available():
-        config, raster, swizzle = (int(v) for v in tuning.split(","))
-        torch.ops.coda.set_tuning(config, raster, swizzle)
+        torch.ops.coda.set_tuning(*(int(v) for v in tuning.split(",")))
 
 
 def pytest_collection_modifyitems(config, items):

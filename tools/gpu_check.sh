@@ -19,11 +19,12 @@
 # (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
 # --power builds them and runs only benchmarks/power_probe.py (clock and
 # power per GEMM variant); POWER_SWEEP=1 builds the sweep's candidates too,
-# for POWER_ARGS="--configs 15" and the like.
+# for POWER_ARGS="--configs 15" and the like; POWER_TESTS=1 runs the GPU
+# tests before it and PROFILE_VARIANTS the profile below after it.
 # --profile builds as --power does and runs Nsight Compute on each variant
 # named in PROFILE_VARIANTS ("case:impl;case:impl", benchmarks/profile_kernel.py
 # --list names them; PROFILE_CONFIGS adds candidates, PROFILE_RASTER sets their
-# raster order), one report in profile.log.
+# raster order, PROFILE_STORE_L2 adds store-hint variants), one report in profile.log.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -54,17 +55,10 @@ python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$O
 echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
-if [ "$QUICK" = "--power" ]; then
-  step "clock and power per GEMM variant"
-  python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
-  cat "$OUT/power.log"
-  step "done, status $status"
-  exit $status
-fi
-
-if [ "$QUICK" = "--profile" ]; then
+# Nsight Compute on each variant in PROFILE_VARIANTS, one report in profile.log.
+run_profile() {
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
+  [ -n "$NCU" ] || { echo "no ncu on this machine"; status=1; return; }
   IFS=';' read -ra variants <<< "${PROFILE_VARIANTS:?case:impl;...}"
   sections=(--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
             --section SchedulerStats --section WarpStateStats --section LaunchStats)
@@ -74,7 +68,7 @@ if [ "$QUICK" = "--profile" ]; then
     timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
       -k 'regex:device_kernel|nvjet' "${sections[@]}" "${@:2}" \
       python3 benchmarks/profile_kernel.py "${1%%:*}" "${1#*:}" --configs "${PROFILE_CONFIGS:-}" \
-      --raster "${PROFILE_RASTER:--1}" >> "$OUT/profile.log" 2>&1
+      --raster "${PROFILE_RASTER:--1}" --store-l2 "${PROFILE_STORE_L2:-}" >> "$OUT/profile.log" 2>&1
   }
   for v in "${variants[@]}"; do
     step "ncu: $v"
@@ -83,6 +77,24 @@ if [ "$QUICK" = "--profile" ]; then
     echo "=== end of $v" >> "$OUT/profile.log"
   done
   grep -E "^  [a-zA-Z_]|Duration|SM Frequency|Compute \(SM\) Throughput|Memory Throughput|Executed Ipc|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|=== end|bank_conflicts|inst_executed|dram__bytes|lts__t_bytes|Registers Per|Shared Memory Config" "$OUT/profile.log" | head -400
+}
+
+if [ "$QUICK" = "--power" ]; then
+  if [ "${POWER_TESTS:-0}" = 1 ]; then  # the GPU tests first (CODA_TEST_TUNING applies)
+    step "GPU tests"
+    CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
+    tail -4 "$OUT/tests.log"
+  fi
+  step "clock and power per GEMM variant"
+  python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
+  cat "$OUT/power.log"
+  [ -n "${PROFILE_VARIANTS:-}" ] && run_profile  # then Nsight Compute, as --profile
+  step "done, status $status"
+  exit $status
+fi
+
+if [ "$QUICK" = "--profile" ]; then
+  run_profile
   step "done, status $status"
   exit $status
 fi

@@ -179,10 +179,12 @@ def _grads(fn, inputs, dy):
     return lambda: torch.autograd.grad(fn(*inputs), inputs, dy)
 
 
-def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1) -> Callable[[], object]:
-    """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice)."""
+def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1,
+           store_l2: int = -1) -> Callable[[], object]:
+    """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice;
+    store_l2: which epilogue stores are marked L2 evict-first, bits 1 D and 2 aux outputs)."""
     def run():
-        torch.ops.coda.set_tuning(config, raster, swizzle)
+        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2)
         try:
             return fn()
         finally:

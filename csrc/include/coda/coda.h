@@ -235,11 +235,14 @@ bool device_supported(int device);
 // Kernel choice, for tuning sweeps. -1 leaves a field to coda's heuristic.
 // config: a configuration's value as kernel_configs lists it (an op not built
 // in that configuration runs its default);
-// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8.
+// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
+// store_l2: which epilogue stores are marked L2 evict-first, as bits (1 the
+// output D, 2 aux outputs such as the saved pre-activation; 0 none).
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
+  int store_l2 = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
