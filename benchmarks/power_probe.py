@@ -62,12 +62,14 @@ class Sampler:
 
 
 def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
-             swizzle: int = -1, store_l2: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+             swizzle: int = -1, store_l2: List[int] = (),
+             swizzles: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
     (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
     raster / swizzle (-1: the heuristic's) apply to the candidate configurations;
-    each store_l2 value (bits: 1 D, 2 aux outputs marked L2 evict-first) adds
-    the shipped kernels run with it."""
+    each store_l2 value (bits: 1 D, 2 aux outputs marked L2 evict-first) and
+    each of `swizzles` (the raster walk's band, in clusters) adds the shipped
+    kernels run with it."""
     torch.manual_seed(0)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
@@ -120,6 +122,17 @@ def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
         cases["fc1_fwd"][f"coda[gelu,save_h,l2={v}]"] = hinted(
             lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
+    for sw in swizzles:
+        def swizzled(fn):
+            return _tuned(fn, swizzle=sw)
+        cases["fc1_fwd"][f"coda[plain,s{sw}]"] = swizzled(
+            lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
+        cases["fc1_fwd"][f"coda[gelu,save_h,s{sw}]"] = swizzled(
+            lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
+        cases["fc2_dgrad"][f"coda[dgrad,s{sw}]"] = swizzled(
+            lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
+        cases["fc2_dgrad"][f"coda[dgelu+dbias,s{sw}]"] = swizzled(
+            lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
     return cases
 
 
@@ -155,6 +168,7 @@ def main(argv: List[str]) -> int:
                    help="comma-separated kernel configuration values (kernel_configs) to probe too, "
                         "each where the op is built in it (a sweep build has more)")
     p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
+    p.add_argument("--swizzles", default="", help="comma-separated swizzles to probe the shipped kernels with")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -163,7 +177,8 @@ def main(argv: List[str]) -> int:
 
     m, d, f = args.tokens, args.hidden, args.ffn
     configs = [int(v) for v in args.configs.split(",") if v]
-    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in variants(m, d, f, configs, store_l2=[int(v) for v in args.store_l2.split(",") if v]).items()}
+    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in variants(m, d, f, configs, store_l2=[int(v) for v in args.store_l2.split(",") if v],
+                                                         swizzles=[int(v) for v in args.swizzles.split(",") if v]).items()}
     for impls in cases.values():
         for fn in impls.values():
             fn()
