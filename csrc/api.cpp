@@ -106,11 +106,15 @@ Status check_device() {
     if (_s != Status::kSuccess) return _s;  \
   } while (0)
 
+// Whether CTAs alternate the k order of their tiles (gemm.cuh, AlternatingKMainloop).
+constexpr int kAlternateKDefault = 0;
+
 // A kernel configuration and its tile-scheduler settings.
 struct Choice {
   kernels::Config config = kernels::Config::kCooperative128x256;
   int raster = 0;   // 0: CUTLASS's heuristic, 1: along M, 2: along N
   int swizzle = 1;
+  int alternate_k = kAlternateKDefault;
 };
 
 // Tuning overrides (benchmark sweeps) win over the heuristics.
@@ -119,6 +123,7 @@ Choice apply_tuning(Choice c) {
   if (t.config >= 0) c.config = static_cast<kernels::Config>(t.config);
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
+  if (t.alternate_k >= 0) c.alternate_k = t.alternate_k;
   return c;
 }
 
@@ -135,6 +140,7 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
   p.stream = stream;
   p.raster = choice.raster;
   p.swizzle = choice.swizzle;
+  p.alternate_k = choice.alternate_k;
   return p;
 }
 

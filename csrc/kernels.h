@@ -91,6 +91,7 @@ struct GemmProblem {
   int64_t ldd = 0;
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
   int swizzle = 1;
+  int alternate_k = 0;  // 1: each CTA's odd-numbered tiles load their k-blocks last to first (gemm.cuh)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;

@@ -237,12 +237,14 @@ bool device_supported(int device);
 // in that configuration runs its default);
 // raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
 // store_l2: which epilogue stores are marked L2 evict-first, as bits (1 the
-// output D, 2 aux outputs such as the saved pre-activation; 0 none).
+// output D, 2 aux outputs such as the saved pre-activation; 0 none);
+// alternate_k: whether a CTA loads the k-blocks of every other tile last to first.
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
   int store_l2 = -1;
+  int alternate_k = -1;  // 1: alternate the k order of a CTA's tiles, 0: never
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
