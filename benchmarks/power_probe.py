@@ -178,7 +178,7 @@ def main(argv: List[str]) -> int:
                    help="comma-separated kernel configuration values (kernel_configs) to probe too, "
                         "each where the op is built in it (a sweep build has more)")
     p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
-    p.add_argument("--swizzles", default="", help="comma-separated swizzles to probe the shipped kernels with")
+    p.add_argument("--swizzles", default="", help="comma-separated swizzles (1-8) to probe the shipped kernels with")
     p.add_argument("--alternate-k", action="store_true", help="probe the shipped kernels with alternate_k too")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)

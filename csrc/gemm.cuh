@@ -361,20 +361,6 @@ struct Gemm {
     return args;
   }
 
-  // CUTLASS's persistent scheduler takes a swizzle of at most 8 (clusters
-  // along the minor dimension per band of the raster walk) and pads the
-  // tile grid to a multiple of it. A wider band is set here, where the
-  // minor dimension's cluster count is already a multiple of it, so the
-  // grid and the scheduler's divisors stay as CUTLASS computed them.
-  template <class SchedulerParams>
-  static void widen_swizzle(SchedulerParams& s, int swizzle) {
-    if (swizzle <= 8) return;
-    int log = 3;
-    while (log < 6 && (2 << log) <= swizzle) ++log;
-    const uint32_t minor = s.raster_order_ == decltype(s.raster_order_)::AlongN ? s.problem_tiles_m_ : s.problem_tiles_n_;
-    if (minor % (1u << log) == 0) s.log_swizzle_size_ = log;
-  }
-
   static size_t workspace_size(GemmProblem const& p) {
     return Device::get_workspace_size(arguments(p, {}));
   }
@@ -398,7 +384,6 @@ struct Gemm {
       // D's L2 priority rides in its TMA copy (store_l2.hpp).
       auto params = gemm.params();
       params.epilogue.tma_store_d.cache_hint_ = epilogues::store_l2_policy().d.load(std::memory_order_relaxed);
-      if constexpr (std::is_void_v<typename Tile::TileScheduler>) widen_swizzle(params.scheduler, p.swizzle);
       params.mainloop.alternate_k = p.alternate_k;
       st = Device::run(params, p.stream);
     }

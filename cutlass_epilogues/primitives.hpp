@@ -72,7 +72,7 @@ struct Primitives {
       cutlass::epilogue::fusion::Sm90AuxStore<0, EpilogueTile, Element, Round, StrideMN,
                                               typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S,
                                               kAlignment>,
-      AuxStoreL2<(Stages > 0 ? Stages : 1), EpilogueTile, Element, Round, StrideMN,
+      AuxStoreL2<Stages, EpilogueTile, Element, Round, StrideMN,
                  typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment>>;
   using Store = StoreWith<StoreDesc::Stages>;
   // Per-row / per-column vectors (null: the default value).
