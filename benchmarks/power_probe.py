@@ -63,14 +63,14 @@ class Sampler:
 
 def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
              swizzle: int = -1, store_l2: List[int] = (),
-             swizzles: List[int] = (), alternate_k: bool = False) -> Dict[str, Dict[str, Callable[[], object]]]:
+             swizzles: List[int] = (), alternate_k: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
     (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
     raster / swizzle (-1: the heuristic's) apply to the candidate configurations;
     each store_l2 value (bits: 1 D, 2 aux outputs marked L2 evict-first) and
-    each of `swizzles` (the raster walk's band, in clusters) adds the shipped
-    kernels run with it; alternate_k adds them with every other tile's k order
-    reversed ("alt")."""
+    each of `swizzles` (the raster walk's band, in clusters) and of
+    alternate_k (1: every other tile's k order reversed, as shipped; 0: never)
+    adds the shipped kernels run with it."""
     torch.manual_seed(0)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
@@ -111,37 +111,17 @@ def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), c)
             cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = tuned(
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), c)
-    for v in store_l2:
-        def hinted(fn):
-            return _tuned(fn, store_l2=v)
-        if v & 1 and not v & 2:  # these store no aux output
-            cases["fc1_fwd"][f"coda[plain,l2={v}]"] = hinted(
-                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
-            cases["fc2_dgrad"][f"coda[dgrad,l2={v}]"] = hinted(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
-            cases["fc2_dgrad"][f"coda[dgelu+dbias,l2={v}]"] = hinted(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
-        cases["fc1_fwd"][f"coda[gelu,save_h,l2={v}]"] = hinted(
+    # The shipped kernels under one tuning override each, tagged in the impl.
+    settings = ([(f"l2={v}", {"store_l2": v}) for v in store_l2] + [(f"s{v}", {"swizzle": v}) for v in swizzles]
+                + [(f"alt={v}", {"alternate_k": v}) for v in alternate_k])
+    for tag, tuning in settings:
+        def under(fn, tuning=tuning):
+            return _tuned(fn, **tuning)
+        cases["fc1_fwd"][f"coda[plain,{tag}]"] = under(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
+        cases["fc1_fwd"][f"coda[gelu,save_h,{tag}]"] = under(
             lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
-    for sw in swizzles:
-        def swizzled(fn):
-            return _tuned(fn, swizzle=sw)
-        cases["fc1_fwd"][f"coda[plain,s{sw}]"] = swizzled(
-            lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
-        cases["fc1_fwd"][f"coda[gelu,save_h,s{sw}]"] = swizzled(
-            lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
-        cases["fc2_dgrad"][f"coda[dgrad,s{sw}]"] = swizzled(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
-        cases["fc2_dgrad"][f"coda[dgelu+dbias,s{sw}]"] = swizzled(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
-    if alternate_k:
-        def alt(fn):
-            return _tuned(fn, alternate_k=1)
-        cases["fc1_fwd"]["coda[plain,alt]"] = alt(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
-        cases["fc1_fwd"]["coda[gelu,save_h,alt]"] = alt(
-            lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
-        cases["fc2_dgrad"]["coda[dgrad,alt]"] = alt(lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
-        cases["fc2_dgrad"]["coda[dgelu+dbias,alt]"] = alt(
+        cases["fc2_dgrad"][f"coda[dgrad,{tag}]"] = under(lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
+        cases["fc2_dgrad"][f"coda[dgelu+dbias,{tag}]"] = under(
             lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
     return cases
 
@@ -179,7 +159,7 @@ def main(argv: List[str]) -> int:
                         "each where the op is built in it (a sweep build has more)")
     p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
     p.add_argument("--swizzles", default="", help="comma-separated swizzles (1-8) to probe the shipped kernels with")
-    p.add_argument("--alternate-k", action="store_true", help="probe the shipped kernels with alternate_k too")
+    p.add_argument("--alternate-k", default="", help="comma-separated Tuning::alternate_k values (0, 1) to probe too")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -188,9 +168,10 @@ def main(argv: List[str]) -> int:
 
     m, d, f = args.tokens, args.hidden, args.ffn
     configs = [int(v) for v in args.configs.split(",") if v]
-    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in variants(m, d, f, configs, store_l2=[int(v) for v in args.store_l2.split(",") if v],
-                                                         swizzles=[int(v) for v in args.swizzles.split(",") if v],
-                                                         alternate_k=args.alternate_k).items()}
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    found = variants(m, d, f, configs, store_l2=ints(args.store_l2), swizzles=ints(args.swizzles),
+                     alternate_k=ints(args.alternate_k))
+    cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in found.items()}
     for impls in cases.values():
         for fn in impls.values():
             fn()

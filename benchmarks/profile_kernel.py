@@ -29,7 +29,7 @@ def main(argv) -> int:
     p.add_argument("--swizzle", type=int, default=-1)
     p.add_argument("--store-l2", default="", help="Tuning::store_l2 values whose variants to add, as power_probe's")
     p.add_argument("--swizzles", default="", help="swizzles whose variants to add, as power_probe's")
-    p.add_argument("--alternate-k", action="store_true", help="add the alternate_k variants, as power_probe's")
+    p.add_argument("--alternate-k", default="", help="alternate_k values whose variants to add, as power_probe's")
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
@@ -41,7 +41,8 @@ def main(argv) -> int:
         return 0
     cases = variants(args.tokens, args.hidden, args.ffn, [int(v) for v in args.configs.split(",") if v],
                      args.raster, args.swizzle, [int(v) for v in args.store_l2.split(",") if v],
-                     [int(v) for v in args.swizzles.split(",") if v], args.alternate_k)
+                     [int(v) for v in args.swizzles.split(",") if v],
+                     [int(v) for v in args.alternate_k.split(",") if v])
     if args.list or not args.case:
         for case, impls in cases.items():
             for impl in impls:

@@ -244,7 +244,7 @@ struct Tuning {
   int raster = -1;
   int swizzle = -1;
   int store_l2 = -1;
-  int alternate_k = -1;  // 1: alternate the k order of a CTA's tiles, 0: never
+  int alternate_k = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
