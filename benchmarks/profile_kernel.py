@@ -39,10 +39,9 @@ def main(argv) -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("profile_kernel: needs an sm_90 GPU; nothing launched")
         return 0
-    cases = variants(args.tokens, args.hidden, args.ffn, [int(v) for v in args.configs.split(",") if v],
-                     args.raster, args.swizzle, [int(v) for v in args.store_l2.split(",") if v],
-                     [int(v) for v in args.swizzles.split(",") if v],
-                     [int(v) for v in args.alternate_k.split(",") if v])
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    cases = variants(args.tokens, args.hidden, args.ffn, ints(args.configs), args.raster, args.swizzle,
+                     ints(args.store_l2), ints(args.swizzles), ints(args.alternate_k))
     if args.list or not args.case:
         for case, impls in cases.items():
             for impl in impls:

@@ -24,8 +24,8 @@
 # --profile builds as --power does and runs Nsight Compute on each variant
 # named in PROFILE_VARIANTS ("case:impl;case:impl", benchmarks/profile_kernel.py
 # --list names them; PROFILE_CONFIGS adds candidates, PROFILE_RASTER sets their
-# raster order, PROFILE_STORE_L2 / PROFILE_SWIZZLES add
-# store-hint / swizzle variants, PROFILE_ARGS more of profile_kernel.py's options), one report in profile.log.
+# raster order, PROFILE_ARGS="--store-l2 0,2 --alternate-k 0" and the like
+# add tuning variants), one report in profile.log.
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -69,8 +69,7 @@ run_profile() {
     timeout -k 10 ${PROFILE_TIMEOUT:-120} "$NCU" --clock-control none --launch-skip 2 --launch-count 1 \
       -k 'regex:device_kernel|nvjet' "${sections[@]}" "${@:2}" \
       python3 benchmarks/profile_kernel.py "${1%%:*}" "${1#*:}" --configs "${PROFILE_CONFIGS:-}" \
-      --raster "${PROFILE_RASTER:--1}" --store-l2 "${PROFILE_STORE_L2:-}" \
-      --swizzles "${PROFILE_SWIZZLES:-}" ${PROFILE_ARGS:-} >> "$OUT/profile.log" 2>&1
+      --raster "${PROFILE_RASTER:--1}" ${PROFILE_ARGS:-} >> "$OUT/profile.log" 2>&1
   }
   for v in "${variants[@]}"; do
     step "ncu: $v"
