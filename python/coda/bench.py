@@ -416,6 +416,10 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
     mean, rstd = torch.ops.coda.norm_row_stats(x, True, 1e-5)
     folded, s, t = torch.ops.coda.norm_fold_weight(w, g, beta, b, True)
     c1, c2 = torch.randn(m, device="cuda"), torch.randn(m, device="cuda")
+    n2 = 3 * d // 2
+    w2q = rand(n2, d) * d**-0.5
+    _, rstd2 = torch.ops.coda.norm_row_stats(x, False, 1e-6)
+    folded2, _, t2 = torch.ops.coda.norm_fold_weight(w2q, g, None, None, True)
     fl = 2.0 * m * d * n
     cases = {
         # name: (flops, cuBLAS, {impl: fn})
@@ -441,6 +445,12 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         }),
         f"qkv_wgrad_{n}x{d}x{m}": (fl, lambda: torch.matmul(dp.t(), x), {
             "coda[wgrad]": lambda: torch.ops.coda.gemm_wgrad(dp, x),
+        }),
+        # RMSNorm -> QKV of grouped-query models (N = 3d/2): its own tile counts
+        # and waves, never tuned before the 9f71a30 run measured the op at 1.03x.
+        f"rms_qkv_fwd_{m}x{d}x{n2}": (2.0 * m * d * n2, lambda: torch.matmul(x, w2q.t()), {
+            "coda[linear]": lambda: torch.ops.coda.gemm_linear(x, w2q, None, None, 0, False),
+            "coda[norm_linear]": lambda: torch.ops.coda.gemm_norm_linear(x, folded2, None, rstd2, None, t2, 0, False),
         }),
         f"oproj_fwd_{m}x{d}x{d}": (2.0 * m * d * d, lambda: torch.matmul(x, w[:d].t()), {
             "coda[linear+bias+residual]": lambda: torch.ops.coda.gemm_linear(x, w[:d], b[:d], x, 0, False),
@@ -548,6 +558,22 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
     g, beta = (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype), rand(d, scale=0.2)
     mean, rstd = torch.ops.coda.norm_row_stats(xq, True, 1e-5)
     c1, c2 = torch.randn(m, device="cuda"), torch.randn(m, device="cuda")
+    # RMSNorm -> QKV with grouped-query attention's N = 3d/2, forward (norm
+    # folded: rstd per row, no bias) and the plain GEMM of that shape; the
+    # QKV weight's gradient.
+    n2 = 3 * d // 2
+    w_q2 = rand(n2, d, scale=d**-0.5)
+    _, rstd2 = torch.ops.coda.norm_row_stats(xq, False, 1e-6)
+    folded2, _, t2 = torch.ops.coda.norm_fold_weight(w_q2, g, None, None, True)
+    gemms[f"rms_qkv_norm_linear_{m}x{d}x{n2}"] = (
+        2.0 * m * d * n2, _configs("norm_linear"),
+        lambda: torch.ops.coda.gemm_norm_linear(xq, folded2, None, rstd2, None, t2, 0, False),
+        lambda: torch.matmul(xq, w_q2.t()))
+    gemms[f"rms_qkv_fwd_{m}x{d}x{n2}"] = (2.0 * m * d * n2, lin,
+                                         lambda: torch.ops.coda.gemm_linear(xq, w_q2, None, None, 0, False),
+                                         lambda: torch.matmul(xq, w_q2.t()))
+    gemms[f"qkv_wgrad_{n}x{d}x{m}"] = (2.0 * m * d * n, wgr, lambda: torch.ops.coda.gemm_wgrad(dp, xq),
+                                      lambda: torch.matmul(dp.t(), xq))
     gemms[f"qkv_norm_dgrad_{m}x{n}x{d}"] = (
         2.0 * m * d * n, _configs("norm_dgrad"),
         lambda: torch.ops.coda.gemm_norm_dgrad(dp, wq, xq, mean, rstd, g, beta, c1, c2, None, True, True),
