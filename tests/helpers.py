@@ -1,6 +1,8 @@
 """Shared test helpers: error norms, poisoning, random problems."""
 
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -38,3 +40,13 @@ def within_torch_error(name: str, err: float, torch_err: float, slack: float = 1
         slack += 2.0 / numel**0.5
     bound = slack * torch_err + 1e-7
     assert err <= bound, f"{name}: error {err:.3e} exceeds torch's {torch_err:.3e} (bound {bound:.3e})"
+
+
+def check_op(op, args) -> None:
+    """torch.library.opcheck, then the fake kernel's output shapes against the
+    real outputs' (opcheck runs the fake kernel but does not compare shapes)."""
+    torch.library.opcheck(op, args)
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, args))
+    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], op

@@ -12,6 +12,7 @@ import coda
 from coda import _activations, reference
 from helpers import poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import check_against_torch, rand
+from test_norm_cpu import opcheck_norm_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -285,3 +286,9 @@ def test_row_stats_pass(d, normalization, seed):
     assert rel_err(stats[:, 1], rstd64) < 1e-5, seed
     if layernorm:
         assert rel_err(stats[:, 0], mean64) < 1e-5, seed
+
+
+@pytest.mark.parametrize("layernorm", [True, False])
+def test_opcheck_norm_ops_on_gpu(layernorm):
+    assert coda._kernels.norm_usable([torch.empty(64, 256, device="cuda", dtype=BF16)], [256, 384])
+    opcheck_norm_ops(layernorm, "cuda", BF16, m=64, d=256, n=384)

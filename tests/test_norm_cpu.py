@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import coda
-from helpers import rel_err
+from helpers import check_op, rel_err
 
 
 def ln_inputs(m=6, d=16, n=24, dtype=torch.float64, offset=0.0):
@@ -176,3 +176,43 @@ def test_norm_mlp_errors():
         coda.ops.norm_mlp(x, g, b, w1, b1, w2[:, :8], None)
     with pytest.raises(ValueError, match=r"residual must have shape \(4, 8\)"):
         coda.ops.norm_mlp(x, g, b, w1, b1, w2, None, residual=torch.zeros(4, 7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("layernorm", [True, False])
+def test_opcheck_norm_ops(layernorm):
+    opcheck_norm_ops(layernorm, "cpu", torch.float32)
+
+
+def opcheck_norm_ops(layernorm, device, dtype, m=6, d=16, n=24):
+    """Schemas, fake kernels and autograd registration of every norm op,
+    including the calls whose stats or fold come in as inputs (those outputs
+    are then empty, and backward takes the inputs). On a GPU with bf16 and
+    d, n multiples of 8 the ops run the folded kernels."""
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    x, g, b, w, bias = randn(m, d), 1 + randn(d, scale=0.1), randn(d, scale=0.1), randn(n, d, scale=d**-0.5), randn(n)
+    b = b if layernorm else None
+    mean, rstd = coda.reference.row_stats(x, layernorm, 1e-5)
+    mean = mean if layernorm else None
+    folded = list(coda.reference.fold_norm_weight(w, g, b, bias))
+    grads = [t.clone().requires_grad_(True) if t is not None else None for t in (x, g, b, w, bias)]
+    for stats in ((None, None), (mean, rstd)):
+        for fold in ([], folded):
+            for args in (grads, [t.detach() if t is not None else None for t in grads]):
+                check_op(torch.ops.coda.norm_linear.default, (*args, *stats, fold, layernorm, 1e-5, 1, True))
+    w2 = randn(d, n, scale=n**-0.5)
+    for stats, fold, residual, add_input in (((None, None), [], None, True), ((mean, rstd), folded, x, False)):
+        check_op(torch.ops.coda.norm_mlp.default,
+                 (*grads[:5], w2.clone().requires_grad_(True), None, *stats, fold, residual, add_input, layernorm,
+                  1e-5, 1, True))
+    dy, h = randn(m, n), randn(m, n)
+    s, t = folded[1], folded[2]
+    no_mean = mean if layernorm else rstd.new_empty(0)
+    check_op(torch.ops.coda.norm_linear_backward.default,
+             (dy, x, g, b, w, True, h, no_mean, rstd, s, t, layernorm, 1e-5, 1, [True, True, layernorm, True, True]))
+    check_op(torch.ops.coda.norm_mlp_backward.default,
+             (randn(m, d), x, g, b, w, w2, h, randn(m, n), no_mean, rstd, s, t, True, False, True, layernorm, 1e-5, 1,
+              [True, True, layernorm, True, True, True, False]))
+    check_op(torch.ops.coda.linear_residual.default,
+             (grads[0], randn(d, d, scale=d**-0.5).requires_grad_(True), None, randn(m, d), layernorm, 1e-5))

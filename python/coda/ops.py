@@ -312,8 +312,8 @@ def _empty_f32(like: Tensor, n: int = 0) -> Tensor:
 
 def _stats_for(x: Tensor, mean: Optional[Tensor], rstd: Optional[Tensor], layernorm: bool, eps: float, fused: bool):
     """The row stats the fold uses: given ones, else one pass over x."""
-    if rstd is not None:  # copies: a custom op's outputs may not alias its inputs
-        return (mean.clone() if layernorm else _empty_f32(x)), rstd.clone()
+    if rstd is not None:
+        return (mean if layernorm else _empty_f32(x)), rstd
     if fused:
         return torch.ops.coda.norm_row_stats(x, layernorm, eps)
     m, r = reference.row_stats(x, layernorm, eps)
@@ -328,20 +328,46 @@ def _forward_rstd(rstd: Tensor, eps: float, layernorm: bool) -> Tensor:
     RMSNorm subtracts nothing and needs no guard."""
     if not layernorm:
         return rstd
-    return torch.where(rstd >= (1.0 - 2.0**-20) / math.sqrt(eps), torch.zeros_like(rstd), rstd)
+    return rstd.masked_fill(rstd >= (1.0 - 2.0**-20) / math.sqrt(eps), 0.0)
 
 
 def _fold(w: Tensor, gamma: Tensor, beta: Optional[Tensor], bias: Optional[Tensor], layernorm: bool, fused: bool,
           cached: Optional[List[Tensor]] = None):
     """(W̃, s or empty for RMSNorm, t); `cached` is a (W̃, s, t) kept by _fold_cache."""
     if cached and fused:
-        folded, s, t = cached[0], cached[1].clone(), cached[2].clone()  # outputs may not alias inputs
+        folded, s, t = cached
     elif fused:
         folded, s, t = torch.ops.coda.norm_fold_weight(w.contiguous(), gamma.contiguous(), _contig(beta),
                                                        _contig(bias), True)
     else:
         folded, s, t = reference.fold_norm_weight(w, gamma, beta, bias)
     return folded, (s if layernorm else _empty_f32(w)), t
+
+
+def _not_given(stats: Tuple[Tensor, Tensor], fold: Tuple[Tensor, Tensor], given_stats: bool, given_fold: bool):
+    """The (mean, rstd, s, t) a norm op returns for autograd: empty where the
+    op's inputs already hold them (stats passed in, a fold from _fold_cache),
+    since a custom op's outputs may not alias its inputs and copying them
+    costs a launch each (_saved_norm_state takes them from the inputs)."""
+    def empty():  # each its own: outputs may not alias one another either
+        return stats[1].new_empty(0)
+    return (*((empty(), empty()) if given_stats else stats), *((empty(), empty()) if given_fold else fold))
+
+
+def _saved_norm_state(mean_in: Optional[Tensor], rstd_in: Optional[Tensor], folded_in: List[Tensor],
+                      outputs: Tuple[Tensor, Tensor, Tensor, Tensor]):
+    """(mean, rstd, s, t) for backward: the op's outputs, or the inputs _not_given left out."""
+    mean, rstd, s, t = outputs
+    if rstd_in is not None:
+        mean, rstd = (mean if mean_in is None else mean_in), rstd_in
+    if folded_in:
+        s, t = folded_in[1], folded_in[2]
+    return mean, rstd, s, t
+
+
+def _norm_state_fake(x: Tensor, m: int, n: int, layernorm: bool, given_stats: bool, given_fold: bool):
+    return (_empty_f32(x, 0 if given_stats or not layernorm else m), _empty_f32(x, 0 if given_stats else m),
+            _empty_f32(x, 0 if given_fold or not layernorm else n), _empty_f32(x, 0 if given_fold else n))
 
 
 # -- norm_linear: act(Norm(x)·Wᵀ + b)
@@ -353,32 +379,34 @@ def _norm_linear(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], we
                                                                            Tensor]:
     # x (M, K), norm_weight/norm_bias (K), weight (N, K), bias (N), mean/rstd (M) fp32 or None
     # folded: [W̃, s, t] from _fold_cache, or [] to fold here
-    #   -> y (M, N), pre_act (M, N) or (0,), mean (M) or (0,), rstd (M), col_sum s (N) or (0,), shift t (N)
+    #   -> y (M, N), pre_act (M, N) or (0,), then mean (M), rstd (M), col_sum s (N), shift t (N), each (0,)
+    #      where not used (mean, s: RMSNorm) or already an input (_not_given)
     save = save_pre_act and activation != _activations.IDENTITY
     fused = x.shape[0] > 0 and _kernels.norm_usable([x, norm_weight, norm_bias, weight, bias],
                                                     [x.shape[1], weight.shape[0]])
     if fused:
         x = _kernels.rows(x)
-    given = (mean, rstd)
+    given, given_fold = (mean, rstd), len(folded) > 0
     mean, rstd = _stats_for(x, mean, rstd, layernorm, eps, fused)
     folded, s, t = _fold(weight, norm_weight, norm_bias, bias, layernorm, fused, folded)
+    state = _not_given((mean, rstd), (s, t), given[1] is not None, given_fold)
     if fused:
         y, h = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None,
                                                _forward_rstd(rstd, eps, layernorm), s if layernorm else None, t,
                                                activation, save)
-        return y, h, mean, rstd, s, t
+        return y, h, *state
     # the reference normalizes in x's precision unless stats were given
     h = reference.normalize(x, norm_weight, norm_bias, eps, layernorm, *given)
     y, h = reference.linear_forward(h, weight, bias, activation, save)
-    return y, h, mean, rstd, s, t
+    return y, h, *state
 
 
 @_norm_linear.register_fake
 def _(x, norm_weight, norm_bias, weight, bias, mean, rstd, folded, layernorm, eps, activation, save_pre_act):
     save = save_pre_act and activation != _activations.IDENTITY
     m, n = x.shape[0], weight.shape[0]
-    return (x.new_empty(m, n), x.new_empty(m, n) if save else x.new_empty(0), _empty_f32(x, m if layernorm else 0),
-            _empty_f32(x, m), _empty_f32(x, n if layernorm else 0), _empty_f32(x, n))
+    return (x.new_empty(m, n), x.new_empty(m, n) if save else x.new_empty(0),
+            *_norm_state_fake(x, m, n, layernorm, rstd is not None, len(folded) > 0))
 
 
 @torch.library.custom_op("coda::norm_linear_backward", mutates_args=())
@@ -421,8 +449,9 @@ def _(dy, x, norm_weight, norm_bias, weight, has_bias, pre_act, mean, rstd, col_
 
 
 def _norm_linear_setup(ctx, inputs, output):
-    x, norm_weight, norm_bias, weight, bias, _, _, folded, layernorm, eps, activation, _ = inputs
-    y, h, mean, rstd, s, t = output
+    x, norm_weight, norm_bias, weight, bias, mean_in, rstd_in, folded, layernorm, eps, activation, _ = inputs
+    y, h = output[:2]
+    mean, rstd, s, t = _saved_norm_state(mean_in, rstd_in, folded, output[2:])
     ctx.n_folded = len(folded)
     pre = y if activation == _activations.IDENTITY else h
     ctx.save_for_backward(x, norm_weight, norm_bias, weight, pre, mean, rstd, s, t)
@@ -495,9 +524,10 @@ def _norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: T
                                                     [x.shape[1], w1.shape[0], w2.shape[0]])
     if fused:
         x = _kernels.rows(x)
-    given = (mean, rstd)
+    given, given_fold = (mean, rstd), len(folded) > 0
     mean, rstd = _stats_for(x, mean, rstd, layernorm, eps, fused)
     folded, s, t = _fold(w1, norm_weight, norm_bias, b1, layernorm, fused, folded)
+    state = _not_given((mean, rstd), (s, t), given[1] is not None, given_fold)
     res = x if add_input else residual
     if fused:
         a1, h1 = torch.ops.coda.gemm_norm_linear(x, folded, mean if layernorm else None,
@@ -510,7 +540,7 @@ def _norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: T
         y, h1, a1 = reference.mlp_forward(n, w1, b1, w2, b2, res, activation, save_for_backward)
         if not save_h:
             h1 = x.new_empty(0)
-    return y, h1, (a1 if save_for_backward else _empty(x)), mean, rstd, s, t
+    return y, h1, (a1 if save_for_backward else _empty(x)), *state
 
 
 @_norm_mlp.register_fake
@@ -519,8 +549,8 @@ def _(x, norm_weight, norm_bias, w1, b1, w2, b2, mean, rstd, folded, residual, a
     m, f = x.shape[0], w1.shape[0]
     save_h = save_for_backward and activation != _activations.IDENTITY
     return (x.new_empty(m, w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
-            x.new_empty(m, f) if save_for_backward else x.new_empty(0), _empty_f32(x, m if layernorm else 0),
-            _empty_f32(x, m), _empty_f32(x, f if layernorm else 0), _empty_f32(x, f))
+            x.new_empty(m, f) if save_for_backward else x.new_empty(0),
+            *_norm_state_fake(x, m, f, layernorm, rstd is not None, len(folded) > 0))
 
 
 @torch.library.custom_op("coda::norm_mlp_backward", mutates_args=())
@@ -564,9 +594,11 @@ def _(dy, x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, col_sum, shift,
 
 
 def _norm_mlp_setup(ctx, inputs, output):
-    x, norm_weight, norm_bias, w1, b1, w2, b2, _, _, folded, residual, add_input, layernorm, eps, activation, _ = inputs
+    x, norm_weight, norm_bias, w1, b1, w2, b2, mean_in, rstd_in, folded, residual, add_input, layernorm, eps, \
+        activation, _ = inputs
     ctx.n_folded = len(folded)
-    _, h1, a1, mean, rstd, s, t = output
+    _, h1, a1 = output[:3]
+    mean, rstd, s, t = _saved_norm_state(mean_in, rstd_in, folded, output[3:])
     ctx.save_for_backward(x, norm_weight, norm_bias, w1, w2, h1, a1, mean, rstd, s, t)
     ctx.has_b1, ctx.has_b2, ctx.has_residual = b1 is not None, b2 is not None, residual is not None
     ctx.add_input, ctx.layernorm, ctx.eps, ctx.activation = add_input, layernorm, eps, activation
