@@ -724,9 +724,7 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     _check_same("residual", residual, x, op)
     layernorm = _norm_kind(normalization, op) == "layernorm"
     y, mean, rstd = _linear_residual(_rows(x), weight, bias, _rows(residual), layernorm, float(eps))
-    if not layernorm:
-        mean = torch.zeros_like(rstd)
-    return y.reshape(out_shape), torch.stack([mean, rstd], -1).reshape(*out_shape[:-1], 2)
+    return y.reshape(out_shape), _pack_stats(mean, rstd, layernorm, out_shape[:-1])
 
 
 def row_stats(y: Tensor, normalization: str = "LayerNorm", eps: float = 1e-5) -> Tensor:
@@ -738,6 +736,12 @@ def row_stats(y: Tensor, normalization: str = "LayerNorm", eps: float = 1e-5) ->
         mean, rstd = torch.ops.coda.norm_row_stats(_kernels.rows(rows), layernorm, float(eps))
     else:
         mean, rstd = reference.row_stats(rows, layernorm, eps)
-    if not layernorm:
-        mean = torch.zeros_like(rstd)
-    return torch.stack([mean, rstd], -1).reshape(*y.shape[:-1], 2)
+    return _pack_stats(mean, rstd, layernorm, y.shape[:-1])
+
+
+def _pack_stats(mean: Optional[Tensor], rstd: Tensor, layernorm: bool, lead: Tuple[int, ...]) -> Tensor:
+    """(mean or 0, rstd) per row as float32 (..., 2), stored as the transpose of
+    a (2, rows) tensor: the norm ops read each column as a contiguous vector
+    (_split_stats), with no copy."""
+    mean = mean if layernorm else torch.zeros_like(rstd)
+    return torch.stack([mean, rstd]).t().reshape(*lead, 2)
