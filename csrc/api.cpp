@@ -342,9 +342,6 @@ void set_tuning(const Tuning& tuning) {
   const int bits = tuning.store_l2 >= 0 ? tuning.store_l2 : epilogues::kStoreL2EvictFirstDefault;
   epilogues::store_l2_policy().d = epilogues::store_l2_policy_of(bits, 1);
   epilogues::store_l2_policy().aux = epilogues::store_l2_policy_of(bits, 2);
-  const int load_bits = tuning.load_l2 >= 0 ? tuning.load_l2 : epilogues::kLoadL2Default;
-  epilogues::load_l2_policy().prefetch = epilogues::load_l2_prefetch_of(load_bits);
-  epilogues::load_l2_policy().load = epilogues::load_l2_load_of(load_bits);
 }
 
 Tuning get_tuning() { return current_tuning(); }

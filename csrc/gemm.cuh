@@ -173,6 +173,15 @@ inline int sm_count(int device) {
 // and ran 1.44x the plain dgrad whichever of its outputs were switched off
 // (benchmarks/results, run of 8efa041). Two stages keep one subtile's load in
 // flight while the previous one is consumed.
+//
+// Loading H costs fc2's dgrad 3.5-4% (80f6f55 breakdown), and the later
+// subtiles of a tile wait for a buffer before their loads start. Neither
+// latency nor L2 residency is the cost: an aux-load node that prefetched
+// each tile's later subtiles into L2 when the tile started (normal or
+// evict-last priority), with or without evict-first loads, ran fc2's dgrad
+// with GELU' and db1 at 1.070-1.073x cuBLAS against 1.069x without, the
+// norm's dgrad at 1.039-1.040x against 1.040x (f2b0385, interleaved; the
+// node was removed after that run).
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,

@@ -1,6 +1,5 @@
-// Which L2 eviction priority the epilogues' TMA stores carry (store_l2.hpp),
-// and how their aux loads use the L2 (load_l2.hpp). No CUTLASS here: api.cpp
-// sets them from the tuning override.
+// Which L2 eviction priority the epilogues' TMA stores carry (store_l2.hpp).
+// No CUTLASS here: api.cpp sets it from the tuning override.
 //
 // Why: an epilogue's stores (D, and an aux output such as H) go through the
 // L2 like the mainloop's operand loads, and push operand panels out of it.
@@ -18,7 +17,6 @@ namespace coda::epilogues {
 // with fraction 1.0 encodes it (CUTLASS's TMA::CacheHintSm90 has the same values).
 constexpr uint64_t kL2EvictNormal = 0x1000000000000000ull;
 constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
-constexpr uint64_t kL2EvictLast = 0x14F0000000000000ull;
 
 // Which stores are marked evict-first, as bits: 1 D, 2 the aux stores.
 // Tuning::store_l2 overrides it (benchmarks). The aux outputs (H, N̂) are
@@ -40,26 +38,6 @@ struct StoreL2Policy {
 // One per process: read on the host when a kernel's parameters are built.
 inline StoreL2Policy& store_l2_policy() {
   static StoreL2Policy policy;
-  return policy;
-}
-
-// The aux loads, as bits (Tuning::load_l2): 1 prefetch each tile's later
-// subtiles into L2 when the epilogue's load warp starts the tile, 2 at
-// evict-last priority (with 1), 4 the loads into smem evict-first.
-constexpr int kLoadL2Default = 0;
-
-constexpr uint64_t load_l2_prefetch_of(int bits) {
-  return (bits & 1) ? ((bits & 2) ? kL2EvictLast : kL2EvictNormal) : 0;
-}
-constexpr uint64_t load_l2_load_of(int bits) { return (bits & 4) ? kL2EvictFirst : kL2EvictNormal; }
-
-struct LoadL2Policy {
-  std::atomic<uint64_t> prefetch{load_l2_prefetch_of(kLoadL2Default)};  // 0: none
-  std::atomic<uint64_t> load{load_l2_load_of(kLoadL2Default)};
-};
-
-inline LoadL2Policy& load_l2_policy() {
-  static LoadL2Policy policy;
   return policy;
 }
 

@@ -15,7 +15,6 @@
 
 #include <cstdint>
 
-#include "load_l2.hpp"
 #include "norm_ops.hpp"
 #include "store_l2.hpp"
 
@@ -59,15 +58,11 @@ struct Primitives {
   // Fn<Array<float, N>> applied to the children, converted to Out.
   template <template <class> class Fn, class Out = ElementCompute>
   using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  // An (M, N) tensor in Element, through smem with L2-steered TMA loads
-  // (load_l2.hpp) or, with 0 stages, straight into registers (null: the
-  // default value, no loads).
-  using Load = std::conditional_t<
-      LoadDesc::Stages == 0,
-      cutlass::epilogue::fusion::Sm90AuxLoad<0, EpilogueTile, Element, StrideMN, typename LoadDesc::SmemLayoutAtom,
-                                             typename LoadDesc::CopyOpS2R, kAlignment>,
-      AuxLoadL2<LoadDesc::Stages, EpilogueTile, Element, StrideMN, typename LoadDesc::SmemLayoutAtom,
-                typename LoadDesc::CopyOpS2R, kAlignment>>;
+  // An (M, N) tensor in Element, through smem or, with 0 stages, straight
+  // into registers (null: the default value, no loads).
+  using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, EpilogueTile, Element, StrideMN,
+                                                      typename LoadDesc::SmemLayoutAtom, typename LoadDesc::CopyOpS2R,
+                                                      kAlignment>;
   // The child's value, also written as an (M, N) Element tensor (null: not
   // written): through smem with an L2-hinted TMA store (store_l2.hpp), or
   // with 0 stages straight from registers.

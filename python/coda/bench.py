@@ -180,13 +180,12 @@ def _grads(fn, inputs, dy):
 
 
 def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1,
-           store_l2: int = -1, alternate_k: int = -1, load_l2: int = -1) -> Callable[[], object]:
+           store_l2: int = -1, alternate_k: int = -1) -> Callable[[], object]:
     """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice;
     store_l2: which epilogue stores are marked L2 evict-first, bits 1 D and 2 aux outputs;
-    alternate_k: 1 to load every other tile's k-blocks last to first;
-    load_l2: how aux loads use the L2, bits 1 prefetch, 2 prefetch evict-last, 4 loads evict-first)."""
+    alternate_k: 1 to load every other tile's k-blocks last to first)."""
     def run():
-        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k, load_l2)
+        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k)
         try:
             return fn()
         finally:
@@ -471,17 +470,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
     })
-    # How the aux loads use the L2 (Tuning::load_l2, load_l2.hpp): H's later
-    # subtiles prefetched when the tile starts (1), that prefetch evict-last
-    # (3), the loads into smem evict-first too (7), or only that (4).
-    dgelu_dbias = cases[f"fc2_dgrad_{m}x{d}x{f}"][2]["coda[dgelu+dbias]"]
-    for bits in (1, 3, 7, 4):
-        cases[f"fc2_dgrad_{m}x{d}x{f}"][2][f"coda[dgelu+dbias,l2_{bits}]"] = _tuned(dgelu_dbias, load_l2=bits)
-    for bits in (3, 7):
-        qkv = cases[f"qkv_dgrad_{m}x{n}x{d}"][2]
-        qkv[f"coda[norm_dgrad,l2_{bits}]"] = _tuned(qkv["coda[norm_dgrad]"], load_l2=bits)
-        oproj = cases[f"oproj_fwd_{m}x{d}x{d}"][2]
-        oproj[f"coda[linear+bias+residual,l2_{bits}]"] = _tuned(oproj["coda[linear+bias+residual]"], load_l2=bits)
     # The same for fc1's forward (ping-pong, which should hide its epilogue
     # behind the other warp group's mainloop), and the cooperative kernel (0).
     x1, w1, b1 = rand(m, d), rand(f, d) * d**-0.5, rand(f)
