@@ -447,7 +447,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
             "coda[wgrad]": lambda: torch.ops.coda.gemm_wgrad(dp, x),
         }),
         # RMSNorm -> QKV of grouped-query models (N = 3d/2): its own tile counts
-        # and waves, never tuned before the 9f71a30 run measured the op at 1.03x.
+        # and waves, which no sweep had timed.
         f"rms_qkv_fwd_{m}x{d}x{n2}": (2.0 * m * d * n2, lambda: torch.matmul(x, w2q.t()), {
             "coda[linear]": lambda: torch.ops.coda.gemm_linear(x, w2q, None, None, 0, False),
             "coda[norm_linear]": lambda: torch.ops.coda.gemm_norm_linear(x, folded2, None, rstd2, None, t2, 0, False),
