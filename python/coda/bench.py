@@ -416,10 +416,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
     mean, rstd = torch.ops.coda.norm_row_stats(x, True, 1e-5)
     folded, s, t = torch.ops.coda.norm_fold_weight(w, g, beta, b, True)
     c1, c2 = torch.randn(m, device="cuda"), torch.randn(m, device="cuda")
-    n2 = 3 * d // 2
-    w2q = rand(n2, d) * d**-0.5
-    _, rstd2 = torch.ops.coda.norm_row_stats(x, False, 1e-6)
-    folded2, _, t2 = torch.ops.coda.norm_fold_weight(w2q, g, None, None, True)
+    n2, w2q, folded2, rstd2, t2 = _rms_qkv_problem(x, g)
     fl = 2.0 * m * d * n
     cases = {
         # name: (flops, cuBLAS, {impl: fn})
@@ -495,6 +492,17 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
                        flops)
 
 
+def _rms_qkv_problem(x: torch.Tensor, gamma: torch.Tensor):
+    """RMSNorm -> QKV of grouped-query models on x (M, d): N = 3d/2, no bias.
+    (N, weight, folded weight, rstd, shift) for gemm_linear / gemm_norm_linear."""
+    d = x.shape[1]
+    n = 3 * d // 2
+    w = (torch.randn(n, d, device=x.device) * d**-0.5).to(x.dtype)
+    _, rstd = torch.ops.coda.norm_row_stats(x, False, 1e-6)
+    folded, _, shift = torch.ops.coda.norm_fold_weight(w, gamma, None, None, True)
+    return n, w, folded, rstd, shift
+
+
 def _configs(op: str) -> List[int]:
     """The configuration values an op is built in (a sweep build has more)."""
     return [int(item.split(":")[0]) for item in torch.ops.coda.kernel_configs(op).split(",")]
@@ -561,10 +569,7 @@ def run_sweep(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, swizzles=(8
     # RMSNorm -> QKV with grouped-query attention's N = 3d/2, forward (norm
     # folded: rstd per row, no bias) and the plain GEMM of that shape; the
     # QKV weight's gradient.
-    n2 = 3 * d // 2
-    w_q2 = rand(n2, d, scale=d**-0.5)
-    _, rstd2 = torch.ops.coda.norm_row_stats(xq, False, 1e-6)
-    folded2, _, t2 = torch.ops.coda.norm_fold_weight(w_q2, g, None, None, True)
+    n2, w_q2, folded2, rstd2, t2 = _rms_qkv_problem(xq, g)
     gemms[f"rms_qkv_norm_linear_{m}x{d}x{n2}"] = (
         2.0 * m * d * n2, _configs("norm_linear"),
         lambda: torch.ops.coda.gemm_norm_linear(xq, folded2, None, rstd2, None, t2, 0, False),
