@@ -99,8 +99,10 @@ def _time_cpu(fn: Callable[[], object], reps: int = 5) -> Dict[str, float]:
 
 
 class Runner:
-    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int, rounds: int = 5):
+    def __init__(self, gpu: bool, warmup_ms: int, rep_ms: int, rounds: int = 5, settle_ms: int = 0,
+                 steady_rounds: int = 3):
         self.gpu, self.warmup_ms, self.rep_ms, self.rounds = gpu, warmup_ms, rep_ms, rounds
+        self.settle_ms, self.steady_rounds = settle_ms, steady_rounds
         self.results: List[Dict] = []
 
     def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, with_kernels: bool = False,
@@ -146,32 +148,44 @@ class Runner:
               flush=True)
         return row
 
-    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float) -> None:
+    def interleaved(self, case: str, impls: Dict[str, Callable[[], object]], flops: float,
+                    steady: bool = False) -> None:
         """The impls timed in turn, `self.rounds` times over: the GPU's clock drifts
         with its temperature and power over a run, by up to 2% between two
         timings of one kernel here, and alternating spreads that over all impls
         alike. Each round starts one impl further along the list, so that no
         impl always follows the same one (a kernel timed after light ones
         reads faster: the order effect in benchmarks/README.md). Rows are
-        `<case>_interleaved`, median_ms the median of the rounds'."""
+        `<case>_interleaved`, median_ms the median of the rounds'.
+
+        steady (with --settle-ms): also `<case>_steady` rows, where each impl
+        runs back to back for settle_ms before its timed window, as it would
+        in a training loop, so that no timing carries the power and clock
+        state the previous impl left."""
         if not self.gpu:
             return
+        self._in_turn(case + "_interleaved", impls, flops, self.warmup_ms, self.rounds)
+        if steady and self.settle_ms > 0:
+            self._in_turn(case + "_steady", impls, flops, self.settle_ms, self.steady_rounds)
+
+    def _in_turn(self, case: str, impls: Dict[str, Callable[[], object]], flops: float, warmup_ms: int,
+                 rounds: int) -> None:
         rows: Dict[str, List[float]] = {name: [] for name in impls}
         try:
             for fn in impls.values():
                 fn()
             names = list(impls)
-            for i in range(self.rounds):
+            for i in range(rounds):
                 for name in names[i % len(names):] + names[:i % len(names)]:
-                    rows[name].append(_time_gpu(impls[name], self.warmup_ms, self.rep_ms)["median_ms"])
+                    rows[name].append(_time_gpu(impls[name], warmup_ms, self.rep_ms)["median_ms"])
         except Exception as e:
-            print(f"  {case:<28} interleaved skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            print(f"  {case:<28} skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             return
         for name, times in rows.items():
             med = sorted(times)[len(times) // 2]
-            self.results.append({"case": case + "_interleaved", "impl": name, "median_ms": med, "round_ms": times,
+            self.results.append({"case": case, "impl": name, "median_ms": med, "round_ms": times,
                                  "tflops": flops / med / 1e9})
-            print(f"  {case + '_interleaved':<28} {name:<10} {med:9.3f} ms  (rounds {', '.join(f'{t:.3f}' for t in times)})",
+            print(f"  {case:<28} {name:<10} {med:9.3f} ms  (rounds {', '.join(f'{t:.3f}' for t in times)})",
                   flush=True)
 
 
@@ -190,6 +204,17 @@ def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle
             return fn()
         finally:
             torch.ops.coda.set_tuning(-1, -1, -1)
+    return run
+
+
+def _dgrad_on_weight_t(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with fc2's dgrad on a transposed copy of w2 (coda.ops.DGRAD_ON_WEIGHT_T)."""
+    def run():
+        coda.ops.DGRAD_ON_WEIGHT_T = True
+        try:
+            return fn()
+        finally:
+            coda.ops.DGRAD_ON_WEIGHT_T = False
     return run
 
 
@@ -221,7 +246,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
         r.time(case, "cublaslt", lambda: torch._addmm_activation(b1, x, w1.t(), use_gelu=True), fl)
         r.time(case, "compile", lambda: compile_linear(x, w1, b1), fl)
         r.interleaved(case, {"coda": lambda: coda.ops.linear(x, w1, b1, gelu), "cublas": lambda: torch.matmul(x, w1.t()),
-                             "compile": lambda: compile_linear(x, w1, b1)}, fl)
+                             "compile": lambda: compile_linear(x, w1, b1)}, fl, steady=True)
         if r.gpu:
             # training forward: also stores the pre-activation for the backward
             r.time(case + "_save_h", "coda", lambda: torch.ops.coda.linear(x, w1, b1, 1, True), fl)
@@ -239,6 +264,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     params = [t.detach().clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
     dy = rand(m, d)
     r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl)
+    r.time(case, "coda[t]", _dgrad_on_weight_t(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy)), fl)
 
     def six_gemms():
         a = torch.matmul(x, w1.t())
@@ -252,7 +278,9 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
     r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
-                         "compile": _grads(compile_mlp, params, dy)}, fl)
+                         "compile": _grads(compile_mlp, params, dy),
+                         "coda[t]": _dgrad_on_weight_t(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy))},
+                  fl, steady=True)
 
 
 def _liger_rmsnorm():
@@ -309,7 +337,7 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
             r.time(case, "eager", lambda: eager(*args), fl)
             r.time(case, "compile", lambda: compiled[eager](*args), fl)
             r.interleaved(case, {"coda": lambda: fused(*args), "cublas": lambda: torch.matmul(x, w.t()),
-                                 "compile": lambda: compiled[eager](*args)}, fl)
+                                 "compile": lambda: compiled[eager](*args)}, fl, steady=True)
             if not layernorm and liger_rms is not None:
                 r.time(case, "liger", lambda: liger_rms_qkv(*args), fl)
             if r.gpu:  # in a block the stats come from the residual-reduce before (no pass over x)
@@ -336,7 +364,8 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
         r.time(case, "cublas", three_gemms, 3 * fl, with_kernels=True)
         r.time(case, "eager", grads(eager), 3 * fl)
         r.time(case, "compile", grads(compiled[eager]), 3 * fl, with_kernels=True)
-        r.interleaved(case, {"coda": grads(fused), "cublas": three_gemms, "compile": grads(compiled[eager])}, 3 * fl)
+        r.interleaved(case, {"coda": grads(fused), "cublas": three_gemms, "compile": grads(compiled[eager])}, 3 * fl,
+                      steady=True)
         if not layernorm and liger_rms is not None:
             r.time(case, "liger", grads(liger_rms_qkv), 3 * fl)
 
@@ -351,7 +380,7 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
         r.time(case, "compile", lambda: compiled[eager_residual](a, w_o, b_o, x), fl)
         r.interleaved(case, {"coda": lambda: coda.ops.linear_residual(a, w_o, b_o, x),
                              "cublas": lambda: torch.matmul(a, w_o.t()),
-                             "compile": lambda: compiled[eager_residual](a, w_o, b_o, x)}, fl)
+                             "compile": lambda: compiled[eager_residual](a, w_o, b_o, x)}, fl, steady=True)
     case = f"oproj_residual_stats_fwd_bwd_{m}x{d}x{d}"
     params = [t.detach().clone().requires_grad_(True) for t in (a, w_o, b_o, x)]
     dy = rand(m, d)
@@ -398,7 +427,7 @@ def run_norm_mlp_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, dev
     r.time(case, "eager", lambda: torch.autograd.grad(eager(*params), params, dy), fl)
     r.time(case, "compile", lambda: torch.autograd.grad(compiled(*params), params, dy), fl)
     r.interleaved(case, {"coda": lambda: torch.autograd.grad(fused(*params), params, dy), "cublas": six_gemms,
-                         "compile": lambda: torch.autograd.grad(compiled(*params), params, dy)}, fl)
+                         "compile": lambda: torch.autograd.grad(compiled(*params), params, dy)}, fl, steady=True)
 
 
 def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
@@ -457,6 +486,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
+    w2_t = w2.t().contiguous().t()
     # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
     # the bias gradient, the load of H, GELU' on it.
     cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
@@ -466,6 +496,13 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
+        # W2 stored transposed: ping-pong on the forward's layout, which hides
+        # the epilogue behind the other warp group's MMAs; +transpose is what
+        # the MLP's backward would pay, the copy of W2 included.
+        "coda[t,dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2_t, None, 0, False),
+        "coda[t,dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2_t, h1, 1, True),
+        "coda[t,dgelu+dbias+transpose]": lambda: torch.ops.coda.gemm_dgrad(dy, w2.t().contiguous().t(), h1, 1, True),
+        "coda[transpose_w2]": lambda: w2.t().contiguous(),
     })
     # The same for fc1's forward (ping-pong, which should hide its epilogue
     # behind the other warp group's mainloop), and the cooperative kernel (0).
@@ -483,7 +520,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         for impl, fn in impls.items():
             r.time(name, impl, fn, flops)
         if "wgrad" not in name:  # the GEMMs in turn with cuBLAS: the differences are a few percent
-            light = ("row_stats", "fold", "row_dots", "bias_grad")
+            light = ("row_stats", "fold", "row_dots", "bias_grad", "transpose")
             r.interleaved(name, {"cublas": cublas, **{k: v for k, v in impls.items()
                                                       if not any(f"[{l}" in k for l in light)}}, flops)
         if "dgrad" in name and "fc2" not in name:  # the raster order of the heavy epilogue
@@ -646,6 +683,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
     p.add_argument("--rounds", type=int, default=5, help="rounds of the interleaved timings")
+    p.add_argument("--settle-ms", type=int, default=0,
+                   help="also time the headline cases in steady state: each impl runs this long before its window")
+    p.add_argument("--steady-rounds", type=int, default=3, help="rounds of the steady-state timings")
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
 
@@ -662,16 +702,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"coda.bench: {why}; timing the reference path on the CPU at tokens={m} hidden={d} ffn={f}.")
         dtype = torch.float32
 
-    r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds)
+    r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.settle_ms, args.steady_rounds)
     device = "cuda" if gpu else "cpu"
-    if not args.only_sweep:
-        if args.only in (None, "mlp"):
-            run_cases(r, m, d, f, dtype, device)
-        if args.only in (None, "norm"):
-            run_norm_cases(r, m, d, dtype, device)
-            run_norm_mlp_case(r, m, d, f, dtype, device)
-        if gpu and args.only in (None, "norm", "breakdown"):
-            run_norm_breakdown(r, m, d, f, dtype)
+
     def write() -> None:
         if not args.out:
             return
@@ -694,6 +727,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(doc, fh, indent=1)
         print(f"wrote {path}")
 
+    # The results file is rewritten after each section, so that a run cut
+    # short (the GPU machine's per-call limit) still leaves what it timed.
+    if not args.only_sweep:
+        if args.only in (None, "mlp"):
+            run_cases(r, m, d, f, dtype, device)
+            write()
+        if args.only in (None, "norm"):
+            run_norm_cases(r, m, d, dtype, device)
+            run_norm_mlp_case(r, m, d, f, dtype, device)
+            write()
+        if gpu and args.only in (None, "norm", "breakdown"):
+            run_norm_breakdown(r, m, d, f, dtype)
     if gpu and (args.sweep or args.only_sweep):
         run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")),
                   rasters=tuple(int(s) for s in args.rasters.split(",")), after_case=write,
