@@ -186,18 +186,6 @@ Choice choose_dgrad(const DgradArgs& a) {
   return apply_tuning(c);
 }
 
-// The dgrad on the weight's transpose (DgradArgs::weight_t): only the
-// ping-pong kernel is built, scheduled as the forward of the same shape.
-Choice choose_dgrad_kmajor() {
-  Choice c;
-  c.config = kernels::Config::kPingpong128x128;
-  c.raster = 1;
-  c.swizzle = 8;
-  c = apply_tuning(c);
-  c.config = kernels::Config::kPingpong128x128;
-  return c;
-}
-
 Choice choose_wgrad(const WgradArgs&) {
   Choice c;
   c.raster = 2;
@@ -285,6 +273,12 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 // (logs/*-f92d62b-profile.log, *-785da3f-profile.log).
 // 16 (the epilogue's loads 3 deep, D through one buffer) lost in the a7c6072
 // power probe and was removed (kernels.h).
+// Nor is the N-major weight the cause: given W2's transpose (a K-major B,
+// fc1's forward layout, where ping-pong runs at cuBLAS's speed), a ping-pong
+// dgrad built for the 9c4b1cb run ran fc2's dgrad at 1.019x cuBLAS plain and
+// 1.130x with GELU' and db1 (interleaved), against the cooperative kernel's
+// 0.993x and 1.060x; with the copy of W2 (0.44 ms through torch) the MLP's
+// forward + backward took 20.68 ms against 19.88. It was removed after that run.
 using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
@@ -449,25 +443,11 @@ size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
                             [&](auto dt, auto cfg) { return kernels::linear_act_workspace<dt.value, cfg.value>(p); });
 }
 
-// The transposed weight's problem: B is (N, K) row-major.
-kernels::GemmProblem dgrad_kmajor_problem(const DgradArgs& a, const Choice& c, void* ws, size_t ws_bytes,
-                                          cudaStream_t s) {
-  return problem(c, a.m, a.n, a.k, a.dy, a.lddy, a.weight_t, a.ldwt, a.dx, a.lddx, ws, ws_bytes, s);
-}
-
 Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype_activation(dtype, a.activation));
   CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
   CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.k, true));
-  if (a.weight_t != nullptr) {
-    CODA_RETURN_IF_ERROR(check_bf16(dtype, "dgrad on the weight's transpose"));
-    CODA_RETURN_IF_ERROR(check_matrix("weight_t", a.weight_t, a.ldwt, a.k, true));
-    if (a.norm_c1 != nullptr) {
-      return detail::fail(Status::kNotSupported, "the norm row dots take weight, not weight_t");
-    }
-  } else {
-    CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
-  }
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
   if (a.dbias != nullptr && !aligned16(a.dbias)) return detail::fail(Status::kMisaligned, "dbias must be 16-byte aligned");
@@ -482,15 +462,6 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
     }
     return Status::kSuccess;
   }
-  kernels::DActDBiasEpilogue e;
-  e.pre_act = a.pre_act;
-  e.ld_pre_act = a.ld_pre_act;
-  e.activation = static_cast<int>(a.activation);
-  e.dbias = a.dbias;
-  if (a.weight_t != nullptr) {
-    auto p = dgrad_kmajor_problem(a, choose_dgrad_kmajor(), workspace, workspace_bytes, stream);
-    return kernels::dact_dbias_kmajor<DType::kBFloat16, kernels::Config::kPingpong128x128>(p, e);
-  }
   Choice choice = choose_dgrad(a);
   auto p = dgrad_problem(a, choice, workspace, workspace_bytes, stream);
   if (a.norm_c1 != nullptr) {
@@ -500,15 +471,16 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
     CODA_RETURN_IF_ERROR(check_vector("norm_col_sum", a.norm_col_sum, false));
     return kernels::dact_rowdot<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
   }
+  kernels::DActDBiasEpilogue e;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
+  e.activation = static_cast<int>(a.activation);
+  e.dbias = a.dbias;
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
 }
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
-  if (a.weight_t != nullptr) {
-    auto p = dgrad_kmajor_problem(a, choose_dgrad_kmajor(), nullptr, 0, nullptr);
-    return kernels::dact_dbias_kmajor_workspace<DType::kBFloat16, kernels::Config::kPingpong128x128>(p);
-  }
   Choice choice = choose_dgrad(a);
   auto p = dgrad_problem(a, choice, nullptr, 0, nullptr);
   if (a.norm_c1 != nullptr) {

@@ -299,7 +299,6 @@ struct AlternatingKMainloop : Base {
 
 template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
 struct Gemm {
-  static constexpr DType kDType = T;
   using Element = typename ElementOf<T>::type;
   using Tile = TileConfig<C>;
   using TileShape = typename Tile::TileShape;

@@ -22,9 +22,6 @@ using LinearActGemm = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearAct>;
 // A row-major (K, N) weight is a row-major B: N-major, which wgmma reads transposed.
 template <DType T, Config C>
 using DActDBiasGemm = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBias>;
-// The weight's transpose as B: the forward's layout.
-template <DType T, Config C>
-using DActDBiasKMajorGemm = Gemm<T, RowMajor, ColumnMajor, C, epilogues::DActDBias>;
 // dYᵀ: a row-major (K, M) tensor is a column-major A.
 template <DType T, Config C>
 using WgradGemm = Gemm<T, ColumnMajor, RowMajor, C, epilogues::Store>;
@@ -76,22 +73,23 @@ size_t linear_act_workspace(const GemmProblem& p) {
 }
 
 // The dbias partials come after what the GEMM needs.
-template <class G>
+template <DType T, Config C>
 size_t dact_dbias_partials_bytes(const GemmProblem& p) {
-  using P = typename G::EpilogueProgram::Partial;
+  using P = typename DActDBiasGemm<T, C>::EpilogueProgram::Partial;
   return align_up(size_t(P::per_col_floats(p.m, p.n)) * sizeof(float));
 }
 
-template <class G>
-size_t dact_dbias_workspace_of(const GemmProblem& p) {
-  return workspace_with<G>(p, dact_dbias_partials_bytes<G>(p));
+template <DType T, Config C>
+size_t dact_dbias_workspace(const GemmProblem& p) {
+  return workspace_with<DActDBiasGemm<T, C>>(p, dact_dbias_partials_bytes<T, C>(p));
 }
 
-template <class G>
-Status dact_dbias_run(const GemmProblem& p, const DActDBiasEpilogue& e) {
+template <DType T, Config C>
+Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e) {
+  using G = DActDBiasGemm<T, C>;
   using E = typename G::Element;
   using P = typename G::EpilogueProgram::Partial;
-  const size_t extra = e.dbias != nullptr ? dact_dbias_partials_bytes<G>(p) : 0;
+  const size_t extra = e.dbias != nullptr ? dact_dbias_partials_bytes<T, C>(p) : 0;
   return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
     typename G::EpilogueProgram::Arguments a;
     a.pre_act = static_cast<E const*>(e.pre_act);
@@ -100,30 +98,10 @@ Status dact_dbias_run(const GemmProblem& p, const DActDBiasEpilogue& e) {
     a.dbias_partials = e.dbias != nullptr ? reinterpret_cast<float*>(scratch) : nullptr;
     Status s = G::run(q, a);
     if (s == Status::kSuccess && e.dbias != nullptr) {
-      s = column_sum(G::kDType, a.dbias_partials, P::tiles_m(p.m), p.n, P::cols_padded(p.n), e.dbias, p.stream);
+      s = column_sum(T, a.dbias_partials, P::tiles_m(p.m), p.n, P::cols_padded(p.n), e.dbias, p.stream);
     }
     return s;
   });
-}
-
-template <DType T, Config C>
-Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e) {
-  return dact_dbias_run<DActDBiasGemm<T, C>>(p, e);
-}
-
-template <DType T, Config C>
-size_t dact_dbias_workspace(const GemmProblem& p) {
-  return dact_dbias_workspace_of<DActDBiasGemm<T, C>>(p);
-}
-
-template <DType T, Config C>
-Status dact_dbias_kmajor(const GemmProblem& p, const DActDBiasEpilogue& e) {
-  return dact_dbias_run<DActDBiasKMajorGemm<T, C>>(p, e);
-}
-
-template <DType T, Config C>
-size_t dact_dbias_kmajor_workspace(const GemmProblem& p) {
-  return dact_dbias_workspace_of<DActDBiasKMajorGemm<T, C>>(p);
 }
 
 template <DType T, Config C>

@@ -201,13 +201,6 @@ Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e);
 template <DType T, Config C>
 size_t dact_dbias_workspace(const GemmProblem& p);
 
-// The same dgrad with B given as (N, K) row-major (the weight's transpose):
-// the forward's layout.
-template <DType T, Config C>
-Status dact_dbias_kmajor(const GemmProblem& p, const DActDBiasEpilogue& e);
-template <DType T, Config C>
-size_t dact_dbias_kmajor_workspace(const GemmProblem& p);
-
 // A given as (K, M) row-major · B (K, N) row-major: the wgrad, dW = dYᵀ·X.
 template <DType T, Config C>
 Status wgrad_store(const GemmProblem& p);

@@ -96,14 +96,10 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
                                               bool compute_dbias) {
   check_matrix(dy, "dy", dy);
-  // A weight stored transposed (weight.t() has contiguous rows) is read as
-  // such, by the ping-pong kernel on the forward's operand layout (bf16).
-  const bool given_t = weight.dim() == 2 && weight.size(1) > 1 && weight.stride(0) == 1 && weight.stride(1) != 1;
-  const bool use_t = given_t && dy.scalar_type() == at::kBFloat16;
-  const at::Tensor w = given_t && !use_t ? weight.contiguous() : weight;
-  check_matrix(use_t ? w.t() : w, use_t ? "weight.t()" : "weight", dy);
-  TORCH_CHECK(w.size(0) == dy.size(1), "coda: weight must have shape (", dy.size(1), ", N), got ", w.sizes());
-  const int64_t m = dy.size(0), n = w.size(1), k = dy.size(1);
+  check_matrix(weight, "weight", dy);
+  TORCH_CHECK(weight.size(0) == dy.size(1), "coda: weight must have shape (", dy.size(1), ", N), got ",
+              weight.sizes());
+  const int64_t m = dy.size(0), n = weight.size(1), k = dy.size(1);
   coda::Activation act = activation_of(activation);
   TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value(),
               "coda: pre_act is required when the activation is not identity");
@@ -119,11 +115,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
   coda::DgradArgs a;
   a.m = m; a.n = n; a.k = k;
   a.dy = dy.data_ptr(); a.lddy = dy.stride(0);
-  if (use_t) {
-    a.weight_t = w.data_ptr(); a.ldwt = w.stride(1);
-  } else {
-    a.weight = w.data_ptr(); a.ldw = w.stride(0);
-  }
+  a.weight = weight.data_ptr(); a.ldw = weight.stride(0);
   a.activation = act;
   a.pre_act = pre_act ? pre_act->data_ptr() : nullptr;
   a.ld_pre_act = pre_act ? pre_act->stride(0) : 0;

@@ -207,17 +207,6 @@ def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle
     return run
 
 
-def _dgrad_on_weight_t(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn with fc2's dgrad on a transposed copy of w2 (coda.ops.DGRAD_ON_WEIGHT_T)."""
-    def run():
-        coda.ops.DGRAD_ON_WEIGHT_T = True
-        try:
-            return fn()
-        finally:
-            coda.ops.DGRAD_ON_WEIGHT_T = False
-    return run
-
-
 def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str) -> None:
     torch.manual_seed(0)
 
@@ -264,7 +253,6 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     params = [t.detach().clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
     dy = rand(m, d)
     r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl)
-    r.time(case, "coda[t]", _dgrad_on_weight_t(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy)), fl)
 
     def six_gemms():
         a = torch.matmul(x, w1.t())
@@ -278,9 +266,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
     r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
-                         "compile": _grads(compile_mlp, params, dy),
-                         "coda[t]": _dgrad_on_weight_t(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy))},
-                  fl, steady=True)
+                         "compile": _grads(compile_mlp, params, dy)}, fl, steady=True)
 
 
 def _liger_rmsnorm():
@@ -486,7 +472,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
-    w2_t = w2.t().contiguous().t()
     # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
     # the bias gradient, the load of H, GELU' on it.
     cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
@@ -496,13 +481,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
-        # W2 stored transposed: ping-pong on the forward's layout, which hides
-        # the epilogue behind the other warp group's MMAs; +transpose is what
-        # the MLP's backward would pay, the copy of W2 included.
-        "coda[t,dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2_t, None, 0, False),
-        "coda[t,dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2_t, h1, 1, True),
-        "coda[t,dgelu+dbias+transpose]": lambda: torch.ops.coda.gemm_dgrad(dy, w2.t().contiguous().t(), h1, 1, True),
-        "coda[transpose_w2]": lambda: w2.t().contiguous(),
     })
     # The same for fc1's forward (ping-pong, which should hide its epilogue
     # behind the other warp group's mainloop), and the cooperative kernel (0).
@@ -520,7 +498,7 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         for impl, fn in impls.items():
             r.time(name, impl, fn, flops)
         if "wgrad" not in name:  # the GEMMs in turn with cuBLAS: the differences are a few percent
-            light = ("row_stats", "fold", "row_dots", "bias_grad", "transpose")
+            light = ("row_stats", "fold", "row_dots", "bias_grad")
             r.interleaved(name, {"cublas": cublas, **{k: v for k, v in impls.items()
                                                       if not any(f"[{l}" in k for l in light)}}, flops)
         if "dgrad" in name and "fc2" not in name:  # the raster order of the heavy epilogue

@@ -176,18 +176,6 @@ def _(x, w1, b1, w2, b2, residual, activation, save_for_backward):
             x.new_empty(m, f) if save_for_backward else x.new_empty(0))
 
 
-# Whether fc2's dgrad reads a transposed copy of w2 (the forward's operand
-# layout, on the ping-pong kernel) instead of w2's rows (cooperative). An
-# experiment the benchmark switches (coda.bench, the "coda[t]" rows).
-DGRAD_ON_WEIGHT_T = False
-
-
-def _dgrad_weight(w: Tensor) -> Tensor:
-    if DGRAD_ON_WEIGHT_T and w.dtype == torch.bfloat16:
-        return w.t().contiguous().t()
-    return w.contiguous()
-
-
 @torch.library.custom_op("coda::mlp_backward", mutates_args=())
 def _mlp_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h1: Tensor, a1: Tensor, activation: int,
                   has_b1: bool, has_b2: bool, need_dx: bool, need_dw1: bool,
@@ -200,7 +188,7 @@ def _mlp_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h1: Tensor, a1:
         # fc2's dgrad epilogue applies act' (with the saved h1) and reduces db1:
         # no elementwise pass over the (M, F) activation gradient.
         fused_h = h1 if activation != _activations.IDENTITY else None
-        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, _dgrad_weight(w2), fused_h, activation, has_b1)
+        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, w2.contiguous(), fused_h, activation, has_b1)
         dw1 = torch.ops.coda.gemm_wgrad(dh1, x) if need_dw1 else _empty(dy)
         dx = torch.ops.coda.gemm_dgrad(dh1, w1.contiguous(), None, 0, False)[0] if need_dx else _empty(dy)
         return dx, dw1, db1, dw2, db2

@@ -74,11 +74,6 @@ struct DgradArgs {
   float norm_scale = 1.f;            // 1 / the norm's size
   float* norm_c1 = nullptr;          // (m) out, or null (no row dots)
   float* norm_c2 = nullptr;          // (m) out, or null
-  // The weight's transpose, (n, k) row-major, given instead of weight (bf16,
-  // no row dots): the forward's operand layout, which a ping-pong kernel
-  // reads without the DRAM re-reads it makes of weight's N-major rows.
-  const void* weight_t = nullptr;
-  int64_t ldwt = 0;
 };
 
 // dW = dYᵀ·X, the weight gradient of a Linear: dY (tokens, n), X (tokens, k).
