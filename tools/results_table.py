@@ -1,6 +1,12 @@
 """Print a results file's cases as a markdown table (the README's performance tables).
 
     python tools/results_table.py benchmarks/results/2026-12-02-h200.json [case-prefix ...]
+    python tools/results_table.py --budget FILE
+
+--budget: for each case timed in turn with cuBLAS and torch.compile, what
+the target "at least 3% faster than torch.compile" leaves on top of the same
+GEMMs alone in cuBLAS (0.97 x compile - cuBLAS), against what coda spends
+there (coda - cuBLAS).
 """
 
 import json
@@ -26,5 +32,26 @@ def main(path, prefixes):
         print(f"| {case} | " + " | ".join(cells) + f" | {ratio('cublas')} | {ratio('compile')} |")
 
 
+def budget(path):
+    doc = json.load(open(path))
+    cases = {}
+    for row in doc["results"]:
+        if row["case"].endswith(("_interleaved", "_steady")):
+            cases.setdefault(row["case"], {})[row["impl"]] = row["median_ms"]
+    print(f"commit {doc['commit']}, {doc['date']}, {doc['device']}\n")
+    print("| case | cuBLAS, GEMMs alone | torch.compile | coda | compile over cuBLAS | 0.97 x compile - cuBLAS "
+          "| coda - cuBLAS |")
+    print("| --- " * 7 + "|")
+    for case, t in cases.items():
+        if not all(k in t for k in ("coda", "cublas", "compile")):
+            continue
+        b, c, x = t["cublas"], t["compile"], t["coda"]
+        print(f"| {case} | {b:.3f} ms | {c:.3f} ms | {x:.3f} ms | {c / b:.3f} | {0.97 * c - b:+.3f} ms "
+              f"| {x - b:+.3f} ms |")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if sys.argv[1] == "--budget":
+        budget(sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2:])

@@ -72,19 +72,31 @@ def _time_gpu(fn: Callable[[], object], warmup_ms: int, rep_ms: int) -> Dict[str
     return {"median_ms": times[len(times) // 2], "p20_ms": times[len(times) // 5], "p80_ms": times[4 * len(times) // 5]}
 
 
-def _gpu_kernels(fn: Callable[[], object]) -> List[str]:
-    """The names of the GPU kernels one call of fn launches (e.g. which tile,
-    cluster and schedule cuBLAS picked: its kernel names spell them out)."""
+def _gpu_kernels(fn: Callable[[], object], calls: int = 5) -> Dict[str, object]:
+    """The GPU kernels one call of fn launches, in order, with each one's
+    time on the GPU (mean over `calls` back-to-back calls under the
+    profiler): which tile, cluster and schedule cuBLAS picked (its kernel
+    names spell them out), and where a composite op's time goes.
+    {"kernels": sorted names, "kernel_us": [[name, us], ...] in launch order}."""
     try:
         from torch.profiler import ProfilerActivity, profile
         fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
+            for _ in range(calls):
+                fn()
             torch.cuda.synchronize()
-        return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                         and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+        names = sorted({e.name for e in events})
+        per_call = len(events) // calls if calls and len(events) % calls == 0 else 0
+        timeline = []
+        for i in range(per_call):  # the same launches each call: average by position
+            us = sum(events[c * per_call + i].time_range.elapsed_us() for c in range(calls)) / calls
+            timeline.append([events[i].name[:160], round(us, 1)])
+        return {"kernels": names, "kernel_us": timeline}
     except Exception as e:  # the profiler is a diagnosis, never a reason to stop
-        return [f"profiler failed: {type(e).__name__}: {e}"]
+        return {"kernels": [f"profiler failed: {type(e).__name__}: {e}"], "kernel_us": []}
 
 
 def _time_cpu(fn: Callable[[], object], reps: int = 5) -> Dict[str, float]:
@@ -118,8 +130,10 @@ class Runner:
         self.results.append(row)
         print(f"  {case:<28} {impl:<10} {t['median_ms']:9.3f} ms  {row['tflops']:7.1f} TFLOP/s", flush=True)
         if with_kernels and self.gpu:
-            row["kernels"] = _gpu_kernels(fn)
+            row.update(_gpu_kernels(fn))
             print(f"  {case:<28} {impl} runs {', '.join(row['kernels'])}")
+            for name, us in row["kernel_us"]:
+                print(f"  {case:<28} {impl} {us:9.1f} us  {name[:100]}")
         return row
 
     def paired(self, case: str, impl: str, fn: Callable[[], object], baseline: Callable[[], object], flops: float,
@@ -252,7 +266,7 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     case, fl = f"mlp_fwd_bwd_{m}x{d}x{f}", 12.0 * m * d * f
     params = [t.detach().clone().requires_grad_(True) for t in (x, w1, b1, w2, b2)]
     dy = rand(m, d)
-    r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl)
+    r.time(case, "coda", _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), fl, with_kernels=True)
 
     def six_gemms():
         a = torch.matmul(x, w1.t())
@@ -346,7 +360,7 @@ def run_norm_cases(r: Runner, m: int, d: int, dtype: torch.dtype, device: str) -
             torch.matmul(dy, w)
             torch.matmul(dy.t(), x)
 
-        r.time(case, "coda", grads(fused), 3 * fl)
+        r.time(case, "coda", grads(fused), 3 * fl, with_kernels=True)
         r.time(case, "cublas", three_gemms, 3 * fl, with_kernels=True)
         r.time(case, "eager", grads(eager), 3 * fl)
         r.time(case, "compile", grads(compiled[eager]), 3 * fl, with_kernels=True)
@@ -651,8 +665,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel configurations per GEMM")
     p.add_argument("--only-sweep", action="store_true", help="run only the sweep")
-    p.add_argument("--only", choices=["mlp", "norm", "breakdown"],
-                   help="run only the MLP cases, only the norm cases, or only the norm ops' per-kernel breakdown")
+    p.add_argument("--only", choices=["mlp", "norm", "breakdown", "headline"],
+                   help="run only the MLP cases, only the norm cases (and the breakdown), only the norm ops' "
+                        "per-kernel breakdown, or the MLP and norm cases without the breakdown")
     p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
     p.add_argument("--rasters", default="1,2", help="raster orders the sweep tries (1: along M, 2: along N)")
     p.add_argument("--sweep-cases", help="comma-separated: sweep only the GEMMs whose names contain one of these")
@@ -708,10 +723,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     # The results file is rewritten after each section, so that a run cut
     # short (the GPU machine's per-call limit) still leaves what it timed.
     if not args.only_sweep:
-        if args.only in (None, "mlp"):
+        if args.only in (None, "mlp", "headline"):
             run_cases(r, m, d, f, dtype, device)
             write()
-        if args.only in (None, "norm"):
+        if args.only in (None, "norm", "headline"):
             run_norm_cases(r, m, d, dtype, device)
             run_norm_mlp_case(r, m, d, f, dtype, device)
             write()
