@@ -137,6 +137,18 @@ def test_frozen_weights_get_no_grad():
     assert x.grad is not None and w1.grad is None and w2.grad is None
 
 
+def test_state_outputs_are_not_differentiable():
+    # Pre-activations and the like are state for the backward: were they
+    # differentiable, autograd would hand the backward zero tensors of their size.
+    x, w1, b1, w2, b2, r = make_mlp(4, 6, 10, requires_grad=True)
+    y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, r, 1, True)
+    assert y.requires_grad and not h1.requires_grad and not a1.requires_grad
+    y, h = torch.ops.coda.linear(x, w1, b1, 1, True)
+    assert y.requires_grad and not h.requires_grad
+    y, mean, rstd = torch.ops.coda.linear_residual(x, w1[:6], b1[:6], x, True, 1e-5)
+    assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
+
+
 def test_opcheck_ops():
     x, w, b = make_linear(6, 8, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.coda.linear.default, (x, w, b, 1, True))
