@@ -97,6 +97,18 @@ Status check_device() {
     return detail::fail(Status::kNotSupported, "coda's kernels are built for sm_90a (H100/H200); device " +
                                                    std::to_string(device) + " is not one");
   }
+  // CUTLASS builds its TMA descriptors with a driver call, which needs a
+  // current context. A thread whose first CUDA work is a coda op has none:
+  // PyTorch's autograd runs backwards on threads of its own, and once the
+  // MLP's backward launched nothing before its first GEMM, the descriptor
+  // failed and the process crashed (b55ccc2 run). cudaSetDevice makes the
+  // device's primary context current, once per thread and device.
+  thread_local int bound_device = -1;
+  if (bound_device != device) {
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("cudaSetDevice: ") + cudaGetErrorString(e));
+    bound_device = device;
+  }
   return Status::kSuccess;
 }
 
