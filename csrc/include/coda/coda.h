@@ -4,7 +4,9 @@
 // shapes, leading dimensions and a stream in; a Status out. Every matrix is
 // row-major with the given leading dimension (element (i, j) at ptr[i*ld + j]),
 // which is how PyTorch hands over activations and nn.Linear weights [out, in].
-// Kernels are built for sm_90a (H100 / H200) only.
+// Kernels are built for sm_90a (H100 / H200) only. The ops run on the current
+// device (cudaSetDevice), and make its primary context current on the calling
+// thread if none is: any thread may call them.
 #pragma once
 
 #include <cstddef>
