@@ -5,8 +5,8 @@
 // row-major with the given leading dimension (element (i, j) at ptr[i*ld + j]),
 // which is how PyTorch hands over activations and nn.Linear weights [out, in].
 // Kernels are built for sm_90a (H100 / H200) only. The ops run on the current
-// device (cudaSetDevice), and make its primary context current on the calling
-// thread if none is: any thread may call them.
+// device and make its primary context current on the calling thread (once per
+// thread, with cudaSetDevice), so any thread may call them.
 #pragma once
 
 #include <cstddef>
