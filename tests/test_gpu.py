@@ -207,7 +207,8 @@ def test_kernel_from_a_fresh_thread():
 
 def test_backward_launches_no_fills():
     # A fill kernel in a backward is a zero gradient materialized for a state
-    # output (ops._state_outputs): 0.32 ms of the MLP's step at 16,384 tokens.
+    # output (ops._state_outputs): two 512 MB fills in the MLP's backward at
+    # 16,384 tokens, which the backward never read.
     from torch.profiler import ProfilerActivity, profile
     x = rand(512, 1024, dtype=torch.bfloat16)
     mlp = coda.nn.MLP(1024, 4096, activation="gelu_tanh", device="cuda", dtype=torch.bfloat16)
