@@ -11,6 +11,14 @@
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
 //            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
+// H may instead hold act'(H), as a forward stored it (SavedForBackward, kind
+// kSavedGrad): act_grad is then a multiply, and the GELU' math has run in
+// fc1's ping-pong forward, where it overlaps MMAs, instead of here.
+//
+// The reduction does not test coordinates against the problem's edge: outside
+// it acc is 0 (TMA zero-fills A and B there) and so is acc * act'(H), H being
+// zero-filled too and every act' finite at 0.
+//
 // Each output tile writes its column sums to a (ceil(M/TileM), N rounded up
 // to TileN) fp32 buffer; a small column-sum kernel finishes dbias. CUTLASS's
 // in-kernel final reduction (tile counters, a fence and two more barriers per
@@ -39,11 +47,11 @@ struct DActDBias {
   using Compute = typename P::template Compute<Fn, Out>;
 
   using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, typename P::Acc, typename P::Load>;
-  using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::ReduceM, DAct>;
+  using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::template ReduceMWith<false>, DAct>;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
 
   struct Arguments {
-    Element const* pre_act = nullptr;      // (M, N) H, or null
+    Element const* pre_act = nullptr;      // (M, N) H (or act'(H) with kSavedGrad), or null
     int64_t ld_pre_act = 0;
     ActivationKind activation = ActivationKind::kIdentity;
     float* dbias_partials = nullptr;       // Partial::per_col_floats(M, N), or null

@@ -86,9 +86,16 @@ struct Primitives {
   using ReduceN = cutlass::epilogue::fusion::Sm90ColReduction<
       RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
       kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
-  using ReduceM = cutlass::epilogue::fusion::Sm90RowReduction<
+  // CheckOOB false: every element is summed, without comparing its
+  // coordinates to the problem's edge. Only for a child whose value outside
+  // the problem is exactly 0 (the accumulator is: TMA fills A and B outside
+  // with zeros); the comparisons cost ~2 integer ops per element in a
+  // cooperative kernel's epilogue, which its MMAs wait for.
+  template <bool CheckOOB = true>
+  using ReduceMWith = cutlass::epilogue::fusion::Sm90RowReduction<
       cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideRowVec,
-      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+      kAlignmentF32, /*EnableNullptr=*/true, /*FinalReduction=*/false, CheckOOB>;
+  using ReduceM = ReduceMWith<true>;
 };
 
 }  // namespace coda::epilogues

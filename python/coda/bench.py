@@ -436,9 +436,11 @@ def run_norm_mlp_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, dev
                          "compile": lambda: torch.autograd.grad(compiled(*params), params, dy)}, fl, steady=True)
 
 
-def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) -> None:
+def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
+                       only: Optional[List[str]] = None) -> None:
     """Each kernel of the norm-folding ops alone, against cuBLAS on the same GEMM
-    and against coda's plain kernel of the same shape: where the time goes."""
+    and against coda's plain kernel of the same shape: where the time goes.
+    only: the cases whose names contain one of these (None: all)."""
     torch.manual_seed(0)
 
     def rand(*shape):
@@ -492,11 +494,15 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
+    g1 = rand(m, f)
     # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
-    # the bias gradient, the load of H, GELU' on it.
+    # the bias gradient, the load of H, GELU' on it; and the MLP's way since
+    # 2026-12-03, act'(H) saved by the forward and multiplied (saved_grad).
     cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
         "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
         "coda[dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True),
+        "coda[saved_grad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False, g1),
+        "coda[saved_grad+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True, g1),
         "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
@@ -510,10 +516,13 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype) ->
         "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
+        "coda[gelu,save_grad]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True, True),
         "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=0),
         "coda[c0,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=0),
     })
     for name, (flops, cublas, impls) in cases.items():
+        if only and not any(o in name for o in only):
+            continue
         r.time(name, "cublas", cublas, flops, with_kernels=True)
         for impl, fn in impls.items():
             r.time(name, impl, fn, flops)
@@ -674,6 +683,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--only", choices=["mlp", "norm", "breakdown", "headline"],
                    help="run only the MLP cases, only the norm cases (and the breakdown), only the norm ops' "
                         "per-kernel breakdown, or the MLP and norm cases without the breakdown")
+    p.add_argument("--breakdown-cases", help="comma-separated: time only the breakdown cases whose names contain "
+                                             "one of these (fc2_dgrad, fc1_fwd, qkv, ...)")
     p.add_argument("--swizzles", default="8", help="swizzle sizes the sweep tries")
     p.add_argument("--rasters", default="1,2", help="raster orders the sweep tries (1: along M, 2: along N)")
     p.add_argument("--sweep-cases", help="comma-separated: sweep only the GEMMs whose names contain one of these")
@@ -736,8 +747,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             run_norm_cases(r, m, d, dtype, device)
             run_norm_mlp_case(r, m, d, f, dtype, device)
             write()
-        if gpu and args.only in (None, "norm", "breakdown"):
-            run_norm_breakdown(r, m, d, f, dtype)
+        if gpu and (args.only in (None, "norm", "breakdown") or args.breakdown_cases):
+            run_norm_breakdown(r, m, d, f, dtype,
+                               args.breakdown_cases.split(",") if args.breakdown_cases else None)
     if gpu and (args.sweep or args.only_sweep):
         run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")),
                   rasters=tuple(int(s) for s in args.rasters.split(",")), after_case=write,
