@@ -118,16 +118,6 @@ Status check_device() {
     if (_s != Status::kSuccess) return _s;  \
   } while (0)
 
-// The forward keeps H or act'(H) for the backward, through one store.
-Status check_saved(const void* pre_act, int64_t ld_pre_act, const void* act_grad, int64_t ld_act_grad, int64_t n) {
-  CODA_RETURN_IF_ERROR(check_matrix("pre_act", pre_act, ld_pre_act, n, false));
-  CODA_RETURN_IF_ERROR(check_matrix("act_grad", act_grad, ld_act_grad, n, false));
-  if (pre_act != nullptr && act_grad != nullptr) {
-    return detail::fail(Status::kInvalidArgument, "give pre_act or act_grad, not both");
-  }
-  return Status::kSuccess;
-}
-
 // Whether CTAs alternate the k order of their tiles (gemm.cuh,
 // AlternatingKMainloop). On: in the 86e5134 power probe it cut fc2's dgrad
 // DRAM reads from 2.55 to 2.24 GB a launch and its energy by 0.9% (0.4% with
@@ -439,7 +429,7 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
-  CODA_RETURN_IF_ERROR(check_saved(a.pre_act, a.ld_pre_act, a.act_grad, a.ld_act_grad, a.n));
+  CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
   CODA_RETURN_IF_ERROR(check_matrix("residual", a.residual, a.ld_residual, a.n, false));
   if (a.bias != nullptr && !aligned16(a.bias)) return detail::fail(Status::kMisaligned, "bias must be 16-byte aligned");
   CODA_RETURN_IF_ERROR(check_device());
@@ -449,9 +439,8 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   auto p = linear_problem(a, choice, workspace, workspace_bytes, stream);
   kernels::LinearActEpilogue e;
   e.bias = a.bias;
-  e.save_act_grad = a.act_grad != nullptr;
-  e.pre_act = e.save_act_grad ? a.act_grad : a.pre_act;
-  e.ld_pre_act = e.save_act_grad ? a.ld_act_grad : a.ld_pre_act;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
@@ -472,13 +461,10 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
-  CODA_RETURN_IF_ERROR(check_saved(a.pre_act, a.ld_pre_act, a.act_grad, a.ld_act_grad, a.n));
+  CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
   if (a.dbias != nullptr && !aligned16(a.dbias)) return detail::fail(Status::kMisaligned, "dbias must be 16-byte aligned");
-  if (a.activation != Activation::kIdentity && a.pre_act == nullptr && a.act_grad == nullptr) {
-    return detail::fail(Status::kInvalidArgument, "pre_act (or act_grad) is required when activation is not identity");
-  }
-  if (a.norm_c1 != nullptr && a.pre_act == nullptr) {
-    return detail::fail(Status::kInvalidArgument, "pre_act (H, not act_grad) is required for the norm row dots");
+  if (a.activation != Activation::kIdentity && a.pre_act == nullptr) {
+    return detail::fail(Status::kInvalidArgument, "pre_act is required when activation is not identity");
   }
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) {
@@ -492,20 +478,15 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   auto p = dgrad_problem(a, choice, workspace, workspace_bytes, stream);
   if (a.norm_c1 != nullptr) {
     CODA_RETURN_IF_ERROR(check_bf16(dtype, "dgrad with norm row dots"));
+    if (a.pre_act == nullptr) return detail::fail(Status::kInvalidArgument, "pre_act is required for the norm row dots");
     CODA_RETURN_IF_ERROR(check_vector("norm_shift", a.norm_shift, false));
     CODA_RETURN_IF_ERROR(check_vector("norm_col_sum", a.norm_col_sum, false));
     return kernels::dact_rowdot<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
   }
   kernels::DActDBiasEpilogue e;
-  if (a.act_grad != nullptr) {
-    e.pre_act = a.act_grad;
-    e.ld_pre_act = a.ld_act_grad;
-    e.activation = kernels::kActivationSavedGrad;
-  } else {
-    e.pre_act = a.pre_act;
-    e.ld_pre_act = a.ld_pre_act;
-    e.activation = static_cast<int>(a.activation);
-  }
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
+  e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
@@ -556,9 +537,8 @@ kernels::NormLinearEpilogue norm_linear_epilogue(const NormLinearArgs& a) {
   e.rstd = a.rstd;
   e.col_sum = a.col_sum;
   e.shift = a.shift;
-  e.save_act_grad = a.act_grad != nullptr;
-  e.pre_act = e.save_act_grad ? a.act_grad : a.pre_act;
-  e.ld_pre_act = e.save_act_grad ? a.ld_act_grad : a.ld_pre_act;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   return e;
 }
@@ -651,7 +631,7 @@ Status norm_linear(DType dtype, const NormLinearArgs& a, void* workspace, size_t
   CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
-  CODA_RETURN_IF_ERROR(check_saved(a.pre_act, a.ld_pre_act, a.act_grad, a.ld_act_grad, a.n));
+  CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
   CODA_RETURN_IF_ERROR(check_vector("mean", a.mean, false));
   CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, true));
   CODA_RETURN_IF_ERROR(check_vector("col_sum", a.col_sum, false));

@@ -13,8 +13,6 @@
 
 namespace coda::kernels {
 
-static_assert(kActivationSavedGrad == static_cast<int>(epilogues::ActivationKind::kSavedGrad));
-
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
@@ -63,7 +61,6 @@ Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
   a.bias = static_cast<E const*>(e.bias);
   a.pre_act = static_cast<E*>(e.pre_act);
   a.ld_pre_act = e.ld_pre_act;
-  a.save_act_grad = e.save_act_grad;
   a.activation = static_cast<epilogues::ActivationKind>(e.activation);
   a.residual = static_cast<E const*>(e.residual);
   a.ld_residual = e.ld_residual;
@@ -131,7 +128,6 @@ Status norm_linear_act(const GemmProblem& p, const NormLinearEpilogue& e) {
   a.shift = e.shift;
   a.pre_act = static_cast<E*>(e.pre_act);
   a.ld_pre_act = e.ld_pre_act;
-  a.save_act_grad = e.save_act_grad;
   a.activation = static_cast<epilogues::ActivationKind>(e.activation);
   return with_workspace<G>(p, 0, [&](const GemmProblem& q, char*) { return G::run(q, a); });
 }

@@ -101,18 +101,13 @@ struct LinearActEpilogue {
   const void* bias = nullptr;
   void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
-  bool save_act_grad = false;  // pre_act gets act'(H) instead of H
   int activation = 0;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
 };
 
-// The activation code that tells a dgrad epilogue its pre_act holds act'(H)
-// (epilogues::ActivationKind::kSavedGrad; kernels.cuh checks they agree).
-constexpr int kActivationSavedGrad = 16;
-
 struct DActDBiasEpilogue {
-  const void* pre_act = nullptr;  // H, or act'(H) with activation kActivationSavedGrad
+  const void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
   int activation = 0;
   void* dbias = nullptr;
@@ -129,7 +124,6 @@ struct NormLinearEpilogue {
   const float* shift = nullptr;
   void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
-  bool save_act_grad = false;  // pre_act gets act'(H) instead of H
   int activation = 0;
 };
 

@@ -22,10 +22,6 @@ enum class ActivationKind : int {
   kGeluErf = 2,
   kReLU = 3,
   kSiLU = 4,
-  // Internal, for the backward: the loaded tensor already holds act'(H)
-  // (stored by the forward, see SavedForBackward), so act_grad is the identity
-  // on it and the dgrad epilogue only multiplies.
-  kSavedGrad = 16,
 };
 
 struct ActivationArguments {
@@ -80,8 +76,6 @@ CUTLASS_DEVICE float act_grad(float h) {
   } else if constexpr (K == ActivationKind::kSiLU) {
     float s = 1.f / (1.f + __expf(-h));
     return s * (1.f + h * (1.f - s));
-  } else if constexpr (K == ActivationKind::kSavedGrad) {
-    return h;
   } else {
     return 1.f;
   }
@@ -98,7 +92,6 @@ CUTLASS_DEVICE auto dispatch(ActivationKind kind, Fn&& fn) {
   if (kind == K::kGeluErf) return fn(std::integral_constant<K, K::kGeluErf>{});
   if (kind == K::kReLU) return fn(std::integral_constant<K, K::kReLU>{});
   if (kind == K::kSiLU) return fn(std::integral_constant<K, K::kSiLU>{});
-  if (kind == K::kSavedGrad) return fn(std::integral_constant<K, K::kSavedGrad>{});
   return fn(std::integral_constant<K, K::kIdentity>{});
 }
 
@@ -146,43 +139,6 @@ struct RuntimeActivationGrad<cutlass::Array<T, N>> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) dh[i] = T(float(dy[i]) * detail::act_grad<decltype(k)::value>(float(h[i])));
       return dh;
-    });
-  }
-};
-
-// What a forward keeps for its backward: H itself, or act'(H).
-//
-// act'(H) saves the backward its most expensive epilogue work. fc2's dgrad
-// is a cooperative kernel, whose epilogue does not overlap its MMAs, and
-// GELU' there (a tanh and ~8 FP32 ops per element on 8 warps) measured
-// +2.6% of the GEMM (9c4b1cb breakdown: dgelu+dbias 3.476 ms against
-// load_h+dbias 3.389). fc1's forward is ping-pong: one warp group's
-// epilogue runs while the other's MMAs do, so the same math costs little
-// there. Computed from the fp32 H, before H would be rounded.
-struct SavedArguments {
-  ActivationKind kind = ActivationKind::kIdentity;
-  bool act_grad = false;  // keep act'(H) instead of H
-};
-
-template <class T>
-struct SavedForBackward {
-  using Arguments = SavedArguments;
-  CUTLASS_DEVICE T operator()(T const& h, Arguments const& args) const {
-    if (!args.act_grad) return h;
-    return detail::dispatch(args.kind, [&](auto k) { return T(detail::act_grad<decltype(k)::value>(float(h))); });
-  }
-};
-
-template <class T, int N>
-struct SavedForBackward<cutlass::Array<T, N>> {
-  using Arguments = SavedArguments;
-  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& h, Arguments const& args) const {
-    if (!args.act_grad) return h;
-    return detail::dispatch(args.kind, [&](auto k) {
-      cutlass::Array<T, N> g;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < N; ++i) g[i] = T(detail::act_grad<decltype(k)::value>(float(h[i])));
-      return g;
     });
   }
 };

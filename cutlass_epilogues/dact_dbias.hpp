@@ -11,13 +11,18 @@
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
 //            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
-// H may instead hold act'(H), as a forward stored it (SavedForBackward, kind
-// kSavedGrad): act_grad is then a multiply, and the GELU' math has run in
-// fc1's ping-pong forward, where it overlaps MMAs, instead of here.
-//
 // The reduction does not test coordinates against the problem's edge: outside
 // it acc is 0 (TMA zero-fills A and B there) and so is acc * act'(H), H being
-// zero-filled too and every act' finite at 0.
+// zero-filled too and every act' finite at 0. With the tests, dbias cost fc2's
+// dgrad 2.6% (9c4b1cb breakdown, interleaved: 3.340 ms against 3.254 plain);
+// without them nothing (2946200: 3.351 against 3.361).
+//
+// Tried and removed: fc1's forward keeping act'(H) instead of H, so that this
+// epilogue only multiplies (GELU' in the ping-pong forward, whose epilogue
+// overlaps the other warp group's MMAs). In the 2946200 run, interleaved with
+// cuBLAS, it saved fc2's dgrad 62 us (3.494 ms against 3.556) and cost fc1's
+// forward 76 us (3.420 against 3.344): at the power cap GELU' costs about as
+// much wherever it runs.
 //
 // Each output tile writes its column sums to a (ceil(M/TileM), N rounded up
 // to TileN) fp32 buffer; a small column-sum kernel finishes dbias. CUTLASS's
@@ -51,7 +56,7 @@ struct DActDBias {
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
 
   struct Arguments {
-    Element const* pre_act = nullptr;      // (M, N) H (or act'(H) with kSavedGrad), or null
+    Element const* pre_act = nullptr;      // (M, N) H, or null
     int64_t ld_pre_act = 0;
     ActivationKind activation = ActivationKind::kIdentity;
     float* dbias_partials = nullptr;       // Partial::per_col_floats(M, N), or null

@@ -14,13 +14,11 @@
 // (tests/test_norm_fold_numerics.py). W̃'s rounding is relative to W, and s is
 // summed from the rounded W̃, so mean·s cancels exactly what the GEMM multiplied.
 //
-// As in linear_act.hpp, H feeds two trees (CUTLASS's split tree):
-//
-//   H = NormAffine(acc,                        rstd ⊙ (acc − mean ⊙ s) + t; input tree
-//                  mean[m], rstd[m],           Sm90ColBroadcast fp32 (null: 0, 1)
-//                  s[n], t[n])                 Sm90RowBroadcast fp32 (null: 0, 0)
-//   store(saved(H))                            Sm90AuxStore (null: skipped); H or act'(H)
-//   Y = act(H)                                 root; RuntimeActivation, kind at run time
+//   Y = act(                                   RuntimeActivation, kind at run time
+//         store_H(                             Sm90AuxStore (null: skipped)
+//           NormAffine(acc,                    rstd ⊙ (acc − mean ⊙ s) + t
+//                      mean[m], rstd[m],       Sm90ColBroadcast fp32 (null: 0, 1)
+//                      s[n], t[n])))           Sm90RowBroadcast fp32 (null: 0, 0)
 #pragma once
 
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -40,36 +38,31 @@ struct NormLinearAct {
   using PerCol = typename P::PerColF32;
 
   using PreAct = cutlass::epilogue::fusion::Sm90EVT<Compute<NormAffine>, typename P::Acc, PerRow, PerRow, PerCol, PerCol>;
-  using H = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Saved = cutlass::epilogue::fusion::Sm90EVT<typename P::Store,
-                                                   cutlass::epilogue::fusion::Sm90EVT<Compute<SavedForBackward>, H>>;
-  using Output = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation, Element>, H>;
-  using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<PreAct, Output, Saved>;
+  using StoreH = cutlass::epilogue::fusion::Sm90EVT<typename P::Store, PreAct>;
+  using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivation, Element>, StoreH>;
 
   struct Arguments {
     float const* mean = nullptr;       // (M) or null (RMSNorm)
     float const* rstd = nullptr;       // (M)
     float const* col_sum = nullptr;    // (N) s = Σ_k W̃[n, k], or null (RMSNorm)
     float const* shift = nullptr;      // (N) t = W·β + b, or null
-    Element* pre_act = nullptr;        // (M, N) H or act'(H), or null
+    Element* pre_act = nullptr;        // (M, N) H, or null
     int64_t ld_pre_act = 0;
-    bool save_act_grad = false;        // pre_act gets act'(H)
     ActivationKind activation = ActivationKind::kIdentity;
   };
 
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
     return {
-        {                                              // H = NormAffine(acc, mean, rstd, s, t)
-            {},                                        // acc
-            {a.mean, 0.f, {}},                         // mean[m]
-            {a.rstd, 1.f, {}},                         // rstd[m]
-            {a.col_sum, 0.f, {}},                      // s[n]
-            {a.shift, 0.f, {}},                        // t[n]
-            {}},
-        {                                              // store(saved(H))
-            {{}, {a.activation, a.save_act_grad}},     // saved(H)
-            {a.pre_act, P::matrix(a.ld_pre_act)}},     // store
-        {{}, {a.activation}}};                         // Y = act(H)
+        {                                              // store_H(NormAffine(...))
+            {                                          // NormAffine(acc, mean, rstd, s, t)
+                {},                                    // acc
+                {a.mean, 0.f, {}},                     // mean[m]
+                {a.rstd, 1.f, {}},                     // rstd[m]
+                {a.col_sum, 0.f, {}},                  // s[n]
+                {a.shift, 0.f, {}},                    // t[n]
+                {}},
+            {a.pre_act, P::matrix(a.ld_pre_act)}},                          // store_H
+        {a.activation}};                               // act
   }
 };
 

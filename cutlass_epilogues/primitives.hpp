@@ -89,8 +89,8 @@ struct Primitives {
   // CheckOOB false: every element is summed, without comparing its
   // coordinates to the problem's edge. Only for a child whose value outside
   // the problem is exactly 0 (the accumulator is: TMA fills A and B outside
-  // with zeros); the comparisons cost ~2 integer ops per element in a
-  // cooperative kernel's epilogue, which its MMAs wait for.
+  // with zeros). The comparisons are per element, in a cooperative kernel's
+  // epilogue, which its MMAs wait for (dact_dbias.hpp says what they cost).
   template <bool CheckOOB = true>
   using ReduceMWith = cutlass::epilogue::fusion::Sm90RowReduction<
       cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideRowVec,

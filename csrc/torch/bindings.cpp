@@ -55,21 +55,11 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-// A forward's tensor for the backward: H (pre_act) or act'(H) (act_grad), or none.
-template <class Args>
-void set_saved(Args& a, const at::Tensor* saved, bool act_grad) {
-  void* ptr = saved != nullptr ? saved->data_ptr() : nullptr;
-  int64_t ld = saved != nullptr ? saved->stride(0) : 0;
-  (act_grad ? a.act_grad : a.pre_act) = ptr;
-  (act_grad ? a.ld_act_grad : a.ld_pre_act) = ld;
-}
-
-// y = act(x·wᵀ + bias) + residual; with save_pre_act, the second output is
-// h = x·wᵀ + bias, or act'(h) with save_act_grad too (else an empty tensor).
+// y = act(x·wᵀ + bias) + residual; pre_act = x·wᵀ + bias when save_pre_act (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                const std::optional<at::Tensor>& residual, int64_t activation,
-                                               bool save_pre_act, bool save_act_grad) {
+                                               bool save_pre_act) {
   check_matrix(x, "x", x);
   check_matrix(weight, "weight", x);
   TORCH_CHECK(weight.size(1) == x.size(1), "coda: weight must have shape (N, ", x.size(1), "), got ", weight.sizes());
@@ -93,33 +83,30 @@ std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Te
   a.residual = residual ? residual->data_ptr() : nullptr;
   a.ld_residual = residual ? residual->stride(0) : 0;
   a.y = y.data_ptr(); a.ldy = y.stride(0);
-  set_saved(a, save_pre_act ? &h : nullptr, save_act_grad);
+  a.pre_act = save_pre_act ? h.data_ptr() : nullptr;
+  a.ld_pre_act = save_pre_act ? h.stride(0) : 0;
   coda::DType dt = dtype_of(x, "x");
   at::Tensor ws = workspace(coda::linear_workspace_size(dt, a), x);
   check_status(coda::linear(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_linear");
   return {y, h};
 }
 
-// dx = (dy·weight) ⊙ act'(pre_act), or ⊙ act_grad where given (act'(h) from
-// gemm_linear's save_act_grad); dbias = Σ_rows dx when compute_dbias (else empty).
+// dx = (dy·weight) ⊙ act'(pre_act); dbias = Σ_rows dx when compute_dbias (else empty).
 std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                              bool compute_dbias, const std::optional<at::Tensor>& act_grad) {
+                                              bool compute_dbias) {
   check_matrix(dy, "dy", dy);
   check_matrix(weight, "weight", dy);
   TORCH_CHECK(weight.size(0) == dy.size(1), "coda: weight must have shape (", dy.size(1), ", N), got ",
               weight.sizes());
   const int64_t m = dy.size(0), n = weight.size(1), k = dy.size(1);
   coda::Activation act = activation_of(activation);
-  TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value() || act_grad.has_value(),
+  TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value(),
               "coda: pre_act is required when the activation is not identity");
-  TORCH_CHECK(!(pre_act.has_value() && act_grad.has_value()), "coda: give pre_act or act_grad, not both");
-  for (const auto* t : {&pre_act, &act_grad}) {
-    if (!t->has_value()) continue;
-    const char* name = t == &pre_act ? "pre_act" : "act_grad";
-    check_matrix(**t, name, dy);
-    TORCH_CHECK((*t)->size(0) == m && (*t)->size(1) == n, "coda: ", name, " must have shape (", m, ", ", n,
-                "), got ", (*t)->sizes());
+  if (pre_act) {
+    check_matrix(*pre_act, "pre_act", dy);
+    TORCH_CHECK(pre_act->size(0) == m && pre_act->size(1) == n, "coda: pre_act must have shape (", m, ", ", n,
+                "), got ", pre_act->sizes());
   }
   c10::cuda::CUDAGuard guard(dy.device());
   at::Tensor dx = at::empty({m, n}, dy.options());
@@ -132,8 +119,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
   a.activation = act;
   a.pre_act = pre_act ? pre_act->data_ptr() : nullptr;
   a.ld_pre_act = pre_act ? pre_act->stride(0) : 0;
-  a.act_grad = act_grad ? act_grad->data_ptr() : nullptr;
-  a.ld_act_grad = act_grad ? act_grad->stride(0) : 0;
   a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
   a.dbias = compute_dbias ? db.data_ptr() : nullptr;
   coda::DType dt = dtype_of(dy, "dy");
@@ -224,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_norm_linear(const at::Tensor& x, const a
                                                     const std::optional<at::Tensor>& mean, const at::Tensor& rstd,
                                                     const std::optional<at::Tensor>& col_sum,
                                                     const std::optional<at::Tensor>& shift, int64_t activation,
-                                                    bool save_pre_act, bool save_act_grad) {
+                                                    bool save_pre_act) {
   check_matrix(x, "x", x);
   check_matrix(folded, "weight", x);
   TORCH_CHECK(folded.size(1) == x.size(1), "coda: weight must have shape (N, ", x.size(1), "), got ", folded.sizes());
@@ -246,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_norm_linear(const at::Tensor& x, const a
   a.shift = f32_or_null(shift);
   a.activation = activation_of(activation);
   a.y = y.data_ptr(); a.ldy = y.stride(0);
-  set_saved(a, save_pre_act ? &h : nullptr, save_act_grad);
+  a.pre_act = save_pre_act ? h.data_ptr() : nullptr;
+  a.ld_pre_act = save_pre_act ? h.stride(0) : 0;
   coda::DType dt = dtype_of(x, "x");
   at::Tensor ws = workspace(coda::norm_linear_workspace_size(dt, a), x);
   check_status(coda::norm_linear(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()),
@@ -441,16 +427,16 @@ std::string kernel_configs(const std::string& op) { return coda::kernel_configs(
 }  // namespace
 
 TORCH_LIBRARY(coda, m) {
-  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act,"
-        " bool save_act_grad=False) -> (Tensor, Tensor)");
-  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias,"
-        " Tensor? act_grad=None) -> (Tensor, Tensor)");
+  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act)"
+        " -> (Tensor, Tensor)");
+  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias)"
+        " -> (Tensor, Tensor)");
   m.def("gemm_wgrad(Tensor dy, Tensor x) -> Tensor");
   m.def("norm_fold_weight(Tensor weight, Tensor gamma, Tensor? beta, Tensor? bias, bool want_folded)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("norm_row_stats(Tensor x, bool layernorm, float eps) -> (Tensor, Tensor)");
   m.def("gemm_norm_linear(Tensor x, Tensor weight, Tensor? mean, Tensor rstd, Tensor? col_sum, Tensor? shift,"
-        " int activation, bool save_pre_act, bool save_act_grad=False) -> (Tensor, Tensor)");
+        " int activation, bool save_pre_act) -> (Tensor, Tensor)");
   m.def("gemm_linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, bool layernorm, float eps)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("gemm_dgrad_rowdot(Tensor dy, Tensor weight, Tensor pre_act, int activation, bool compute_dbias,"

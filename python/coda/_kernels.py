@@ -88,13 +88,13 @@ def rows(t: torch.Tensor) -> torch.Tensor:
 if available():
 
     @torch.library.register_fake("coda::gemm_linear")
-    def _(x, weight, bias, residual, activation, save_pre_act, save_act_grad=False):
+    def _(x, weight, bias, residual, activation, save_pre_act):
         y = x.new_empty(x.shape[0], weight.shape[0])
         h = x.new_empty(x.shape[0], weight.shape[0]) if save_pre_act else x.new_empty(0)
         return y, h
 
     @torch.library.register_fake("coda::gemm_dgrad")
-    def _(dy, weight, pre_act, activation, compute_dbias, act_grad=None):
+    def _(dy, weight, pre_act, activation, compute_dbias):
         dx = dy.new_empty(dy.shape[0], weight.shape[1])
         db = dy.new_empty(weight.shape[1]) if compute_dbias else dy.new_empty(0)
         return dx, db
@@ -117,7 +117,7 @@ if available():
         return _f32(x, x.shape[0] if layernorm else 0), _f32(x, x.shape[0])
 
     @torch.library.register_fake("coda::gemm_norm_linear")
-    def _(x, weight, mean, rstd, col_sum, shift, activation, save_pre_act, save_act_grad=False):
+    def _(x, weight, mean, rstd, col_sum, shift, activation, save_pre_act):
         shape = (x.shape[0], weight.shape[0])
         return x.new_empty(shape), (x.new_empty(shape) if save_pre_act else x.new_empty(0))
 

@@ -494,15 +494,11 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
-    g1 = rand(m, f)
     # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
-    # the bias gradient, the load of H, GELU' on it; and the MLP's way since
-    # 2026-12-03, act'(H) saved by the forward and multiplied (saved_grad).
+    # the bias gradient, the load of H, GELU' on it.
     cases[f"fc2_dgrad_{m}x{d}x{f}"] = (2.0 * m * d * f, lambda: torch.matmul(dy, w2), {
         "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
         "coda[dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True),
-        "coda[saved_grad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False, g1),
-        "coda[saved_grad+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True, g1),
         "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
@@ -516,7 +512,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
         "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
-        "coda[gelu,save_grad]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True, True),
         "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=0),
         "coda[c0,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=0),
     })

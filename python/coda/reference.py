@@ -47,18 +47,6 @@ def act_backward(dy, h, act: int):
     return (dy.to(ct) * _activations.grad(h.to(ct), act)).to(dy.dtype)
 
 
-def act_grad_saved(h, act: int):
-    """act'(h) in h's dtype, computed in float32 (at least): what the MLP keeps for its backward."""
-    ct = torch.promote_types(h.dtype, torch.float32)
-    return _activations.grad(h.to(ct), act).to(h.dtype)
-
-
-def times_act_grad(dp, g):
-    """dp ⊙ g, g = act'(h) as saved, in float32 (at least), rounded once."""
-    ct = torch.promote_types(dp.dtype, torch.float32)
-    return (dp.to(ct) * g.to(ct)).to(dp.dtype)
-
-
 def bias_grad(dh):
     ct = torch.promote_types(dh.dtype, torch.float32)
     return dh.sum(0, dtype=ct).to(dh.dtype)
@@ -72,8 +60,7 @@ def linear_backward(dy, x, weight, h, act: int, has_bias: bool, need_dx: bool, n
     return dx, dw, db
 
 
-def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, keep_act_grad: bool = True):
-    """-> (y, g1 = act'(h1), a1), or h1 in g1's place with keep_act_grad False."""
+def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool):
     h1 = F.linear(x, w1, b1)
     a1 = _activations.apply(h1, act)
     y = F.linear(a1, w2, b2)
@@ -81,17 +68,16 @@ def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, keep_act_grad
         y = y + residual
     if not save:
         return y, x.new_empty(0), x.new_empty(0)
-    if act == _activations.IDENTITY:  # act' is 1: nothing to keep
+    if act == _activations.IDENTITY:  # h1 is a1: keep one, outputs may not alias
         return y, x.new_empty(0), a1
-    return y, (act_grad_saved(h1, act) if keep_act_grad else h1), a1
+    return y, h1, a1
 
 
-def mlp_backward(dy, x, w1, w2, g1, a1, act: int, has_b1: bool, has_b2: bool,
+def mlp_backward(dy, x, w1, w2, h1, a1, act: int, has_b1: bool, has_b2: bool,
                  need_dx: bool, need_dw1: bool, need_dw2: bool):
-    """g1 = act'(h1) from mlp_forward (not read with identity)."""
     dw2 = dy.t() @ a1 if need_dw2 else dy.new_empty(0)
     db2 = bias_grad(dy) if has_b2 else dy.new_empty(0)
-    dh1 = dy @ w2 if act == _activations.IDENTITY else times_act_grad(dy @ w2, g1)
+    dh1 = act_backward(dy @ w2, h1, act)
     dw1 = dh1.t() @ x if need_dw1 else dy.new_empty(0)
     db1 = bias_grad(dh1) if has_b1 else dy.new_empty(0)
     dx = dh1 @ w1 if need_dx else dy.new_empty(0)

@@ -37,9 +37,6 @@ enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
 enum class Activation : int { kIdentity = 0, kGeluTanh = 1, kGeluErf = 2, kReLU = 3, kSiLU = 4 };
 
 // Y = act(X·Wᵀ + bias) + residual;  H = X·Wᵀ + bias  (the forward of a Linear).
-// For the backward it keeps H (pre_act) or G = act'(H) (act_grad), not both:
-// a dgrad given G only multiplies by it (DgradArgs::act_grad), which is
-// cheaper there than act' of H; G is computed from H before H is rounded.
 struct LinearArgs {
   int64_t m = 0, n = 0, k = 0;       // tokens, out features, in features
   const void* x = nullptr;           // (m, k)
@@ -54,8 +51,6 @@ struct LinearArgs {
   int64_t ldy = 0;
   void* pre_act = nullptr;           // (m, n) out, H for the backward; or null
   int64_t ld_pre_act = 0;
-  void* act_grad = nullptr;          // (m, n) out, act'(H) for the backward; or null
-  int64_t ld_act_grad = 0;
 };
 
 // dX = (dY·W) ⊙ act'(H);  dbias = Σ_rows dX.  The dgrad GEMM of the layer
@@ -71,11 +66,6 @@ struct DgradArgs {
   Activation activation = Activation::kIdentity;
   const void* pre_act = nullptr;     // (m, n) H saved by the forward, or null
   int64_t ld_pre_act = 0;
-  // (m, n) act'(H) saved by the forward (LinearArgs::act_grad), or null. Given,
-  // dX = (dY·W) ⊙ act_grad: pre_act must be null and activation is not used.
-  // Not with the norm row dots, which need H.
-  const void* act_grad = nullptr;
-  int64_t ld_act_grad = 0;
   void* dx = nullptr;                // (m, n) out
   int64_t lddx = 0;
   void* dbias = nullptr;             // (n) out, or null
@@ -146,8 +136,6 @@ struct NormLinearArgs {
   int64_t ldy = 0;
   void* pre_act = nullptr;           // (m, n) out H, or null
   int64_t ld_pre_act = 0;
-  void* act_grad = nullptr;          // (m, n) out act'(H), or null; not with pre_act
-  int64_t ld_act_grad = 0;
 };
 
 // Y = X·Wᵀ + b + R and the row statistics of Y for the next norm, in one GEMM
