@@ -11,12 +11,6 @@
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
 //            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
-// The reduction does not test coordinates against the problem's edge: outside
-// it acc is 0 (TMA zero-fills A and B there) and so is acc * act'(H), H being
-// zero-filled too and every act' finite at 0. With the tests, dbias cost fc2's
-// dgrad 2.6% (9c4b1cb breakdown, interleaved: 3.340 ms against 3.254 plain);
-// without them nothing (2946200: 3.351 against 3.361).
-//
 // Tried and removed: fc1's forward keeping act'(H) instead of H, so that this
 // epilogue only multiplies (GELU' in the ping-pong forward, whose epilogue
 // overlaps the other warp group's MMAs). In the 2946200 run, interleaved with
@@ -52,7 +46,7 @@ struct DActDBias {
   using Compute = typename P::template Compute<Fn, Out>;
 
   using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, typename P::Acc, typename P::Load>;
-  using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::template ReduceMWith<false>, DAct>;
+  using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::ReduceM, DAct>;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
 
   struct Arguments {
