@@ -89,10 +89,11 @@ struct Primitives {
   // and B there with zeros), aux loads are zero-filled by TMA too, the
   // broadcasts fill their defaults (finite, 0 for an added bias), and each
   // reduced value is the accumulator times finite factors or the accumulator
-  // plus such zero-filled terms. A new program must keep that. The comparisons are per element, in the epilogue of a
-  // cooperative kernel, which its MMAs wait for: with them the bias gradient
-  // cost fc2's dgrad 2.6% (9c4b1cb breakdown, interleaved: 3.340 ms against
-  // 3.254 plain), without them 0-1.4% (2946200, cded72b).
+  // plus such zero-filled terms. A new program must keep that. The
+  // comparisons are per element, in the epilogue of a cooperative kernel,
+  // which its MMAs wait for: with them the bias gradient cost fc2's dgrad
+  // 2.6% (9c4b1cb breakdown, interleaved: 3.340 ms against 3.254 plain),
+  // without them 0-1.4% (2946200, cded72b).
   template <template <class> class RegReduce = cutlass::plus>
   using ReduceN = cutlass::epilogue::fusion::Sm90ColReduction<
       RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,
