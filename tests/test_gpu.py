@@ -24,11 +24,12 @@ def kink_safe(activation, x, w, b):
     """For ReLU, x, w and b moved onto grids fine enough to keep them random
     and coarse enough that x·wᵀ + b sums exactly in fp32 (x in 1/16ths, w in
     1/512ths: every term a multiple of 2^-13, and |x·wᵀ| < 2^5 needs 18 of
-    fp32's 24 bits), whatever the order of the sums. ReLU' jumps at 0, so a pre-activation within fp32 rounding of 0 may
-    take the other side in one path than in float64, and one such element
-    costs dx as much as all of bf16's rounding (a 1000x3000 test failed at
-    1.43x torch's error on one draw). On the grid every path, float64
-    included, sees the same signs; the other activations are smooth."""
+    fp32's 24 bits), whatever the order of the sums. ReLU' jumps at 0, so a
+    pre-activation within fp32 rounding of 0 may take the other side in one
+    path than in float64, and one such element costs dx as much as all of
+    bf16's rounding (a 1000x3000 test failed at 1.43x torch's error on one
+    draw). On the grid every path, float64 included, sees the same signs;
+    the other activations are smooth."""
     if activation != "relu":
         return x, w, b
     def grid(t, step):
