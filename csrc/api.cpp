@@ -276,8 +276,7 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // both fewer L2 bytes) spent more energy than 1 on fc1's forward, not less
 // (power probe at c067b5f: 1.030 and 1.151 cuBLAS's joules plain, against
 // 1.004), and are no longer built.
-// (linear_act's store of H / act'(H) transforms, which only its smem path does: no 15.)
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue. Nsight Compute says why the smem one loses:
@@ -431,10 +430,6 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
   CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
-  CODA_RETURN_IF_ERROR(check_matrix("act_grad", a.act_grad, a.ld_act_grad, a.n, false));
-  if (a.pre_act != nullptr && a.act_grad != nullptr) {
-    return detail::fail(Status::kInvalidArgument, "pass pre_act or act_grad, not both");
-  }
   CODA_RETURN_IF_ERROR(check_matrix("residual", a.residual, a.ld_residual, a.n, false));
   if (a.bias != nullptr && !aligned16(a.bias)) return detail::fail(Status::kMisaligned, "bias must be 16-byte aligned");
   CODA_RETURN_IF_ERROR(check_device());
@@ -444,9 +439,8 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   auto p = linear_problem(a, choice, workspace, workspace_bytes, stream);
   kernels::LinearActEpilogue e;
   e.bias = a.bias;
-  e.save_act_grad = a.act_grad != nullptr;
-  e.pre_act = e.save_act_grad ? a.act_grad : a.pre_act;
-  e.ld_pre_act = e.save_act_grad ? a.ld_act_grad : a.ld_pre_act;
+  e.pre_act = a.pre_act;
+  e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.residual = a.residual;
   e.ld_residual = a.ld_residual;
@@ -468,13 +462,9 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
   CODA_RETURN_IF_ERROR(check_matrix("pre_act", a.pre_act, a.ld_pre_act, a.n, false));
-  CODA_RETURN_IF_ERROR(check_matrix("act_grad", a.act_grad, a.ld_act_grad, a.n, false));
   if (a.dbias != nullptr && !aligned16(a.dbias)) return detail::fail(Status::kMisaligned, "dbias must be 16-byte aligned");
-  if (a.act_grad != nullptr && (a.pre_act != nullptr || a.norm_c1 != nullptr)) {
-    return detail::fail(Status::kInvalidArgument, "act_grad cannot be combined with pre_act or the norm row dots");
-  }
-  if (a.activation != Activation::kIdentity && a.pre_act == nullptr && a.act_grad == nullptr) {
-    return detail::fail(Status::kInvalidArgument, "pre_act or act_grad is required when activation is not identity");
+  if (a.activation != Activation::kIdentity && a.pre_act == nullptr) {
+    return detail::fail(Status::kInvalidArgument, "pre_act is required when activation is not identity");
   }
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) {
@@ -497,13 +487,6 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.pre_act = a.pre_act;
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
-  if (a.act_grad != nullptr) {
-    // The epilogue's load is typed like the GEMM: a bf16 one hands fp16 bit
-    // patterns over for the functor to reread (activation.hpp).
-    e.pre_act = a.act_grad;
-    e.ld_pre_act = a.ld_act_grad;
-    e.activation = dtype == DType::kBFloat16 ? kernels::kActivationSavedGradHalfBits : kernels::kActivationSavedGrad;
-  }
   e.dbias = a.dbias;
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });

@@ -53,9 +53,6 @@ class Scratch {
   size_t used_ = 0;
 };
 
-static_assert(kActivationSavedGrad == int(epilogues::ActivationKind::kSavedGrad) &&
-              kActivationSavedGradHalfBits == int(epilogues::ActivationKind::kSavedGradHalfBits));
-
 template <DType T, Config C>
 Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
   using G = LinearActGemm<T, C>;
@@ -64,7 +61,6 @@ Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
   a.bias = static_cast<E const*>(e.bias);
   a.pre_act = static_cast<E*>(e.pre_act);
   a.ld_pre_act = e.ld_pre_act;
-  a.save_act_grad = e.save_act_grad;
   a.activation = static_cast<epilogues::ActivationKind>(e.activation);
   a.residual = static_cast<E const*>(e.residual);
   a.ld_residual = e.ld_residual;

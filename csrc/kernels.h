@@ -101,17 +101,10 @@ struct LinearActEpilogue {
   const void* bias = nullptr;
   void* pre_act = nullptr;
   int64_t ld_pre_act = 0;
-  bool save_act_grad = false;  // pre_act gets act'(H) in fp16, not H
   int activation = 0;
   const void* residual = nullptr;
   int64_t ld_residual = 0;
 };
-
-// The internal activation kinds of a dgrad whose loaded tensor is act'(H)
-// (epilogues::ActivationKind::kSavedGrad, kSavedGradHalfBits; kernels.cuh
-// checks they agree).
-constexpr int kActivationSavedGrad = 16;
-constexpr int kActivationSavedGradHalfBits = 17;
 
 struct DActDBiasEpilogue {
   const void* pre_act = nullptr;

@@ -10,8 +10,6 @@
 #include <cutlass/array.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/fast_math.h>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
 
 #include <type_traits>
 
@@ -24,12 +22,6 @@ enum class ActivationKind : int {
   kGeluErf = 2,
   kReLU = 3,
   kSiLU = 4,
-  // Internal (not in coda::Activation): the dgrad's loaded tensor already
-  // holds act'(H), saved by the forward (ActivationSaver), so the epilogue
-  // only multiplies. kSavedGrad: the tensor's values are act'(H);
-  // kSavedGradHalfBits: they are fp16 bit patterns read through a bf16 load.
-  kSavedGrad = 16,
-  kSavedGradHalfBits = 17,
 };
 
 struct ActivationArguments {
@@ -84,31 +76,8 @@ CUTLASS_DEVICE float act_grad(float h) {
   } else if constexpr (K == ActivationKind::kSiLU) {
     float s = 1.f / (1.f + __expf(-h));
     return s * (1.f + h * (1.f - s));
-  } else if constexpr (K == ActivationKind::kSavedGrad) {
-    return h;
-  } else if constexpr (K == ActivationKind::kSavedGradHalfBits) {
-    // h is a bf16 value converted exactly to fp32: its top 16 bits are the
-    // fp16 pattern ActivationSaver stored.
-    return float(cutlass::half_t::bitcast(uint16_t(__float_as_uint(h) >> 16)));
   } else {
     return 1.f;
-  }
-}
-
-// act(h) and act'(h) together, for a forward that saves act'(H): the tanh
-// GELU shares its tanh and (1 + t)/2, four FP32 ops more than act alone.
-template <ActivationKind K>
-CUTLASS_DEVICE void act_and_grad(float h, float& y, float& g) {
-  if constexpr (K == ActivationKind::kGeluTanh) {
-    float h2 = h * h;
-    float t = cutlass::fast_tanh(gelu_tanh_arg(h, h2));
-    float e = fmaf(0.5f, t, 0.5f);  // (1 + t)/2
-    y = h * e;
-    float du = fmaf(1.5f * kSqrt2OverPi * kGeluTanhCubic, h2, 0.5f * kSqrt2OverPi);
-    g = fmaf(h * fmaf(-t, t, 1.f), du, e);
-  } else {
-    y = act<K>(h);
-    g = act_grad<K>(h);
   }
 }
 
@@ -123,8 +92,6 @@ CUTLASS_DEVICE auto dispatch(ActivationKind kind, Fn&& fn) {
   if (kind == K::kGeluErf) return fn(std::integral_constant<K, K::kGeluErf>{});
   if (kind == K::kReLU) return fn(std::integral_constant<K, K::kReLU>{});
   if (kind == K::kSiLU) return fn(std::integral_constant<K, K::kSiLU>{});
-  if (kind == K::kSavedGrad) return fn(std::integral_constant<K, K::kSavedGrad>{});
-  if (kind == K::kSavedGradHalfBits) return fn(std::integral_constant<K, K::kSavedGradHalfBits>{});
   return fn(std::integral_constant<K, K::kIdentity>{});
 }
 
@@ -172,53 +139,6 @@ struct RuntimeActivationGrad<cutlass::Array<T, N>> {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) dh[i] = T(float(dy[i]) * detail::act_grad<decltype(k)::value>(float(h[i])));
       return dh;
-    });
-  }
-};
-
-// The activation of a forward that also keeps, for its backward, either the
-// pre-activation H (in Element) or act'(H) in fp16 (bit patterns in Element's
-// storage when Element is bf16). AuxStoreL2 runs it in place of a plain
-// store: y = act(H) goes on up the tree, `saved` to the aux output.
-//
-// Why act'(H): fc2's dgrad is a cooperative kernel, whose epilogue its MMAs
-// wait for, and GELU' there (a tanh and ~9 FP32 ops per element) measured
-// 2.4% of that GEMM (cded72b breakdown). The forward (ping-pong) already has
-// the tanh, so act'(H) costs it four FP32 ops, and the dgrad only
-// multiplies. fp16, not bf16: act'(H) rounded to bf16 put two GPU checks at
-// 1.15x and 1.18x the unfused path's error (c63eea9); fp16 rounds 8x finer,
-// and is computed from the unrounded H.
-struct SaverArguments {
-  ActivationKind kind = ActivationKind::kIdentity;
-  bool act_grad = false;  // keep act'(H) in fp16 instead of H
-};
-
-template <class Element>
-struct ActivationSaver {
-  using Arguments = SaverArguments;
-  template <int N>
-  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& h, Arguments const& args,
-                                                     bool keep, cutlass::Array<Element, N>& saved) const {
-    static_assert(cutlass::sizeof_bits<Element>::value == 16, "saved act'(H) is 16-bit");
-    return detail::dispatch(args.kind, [&](auto k) {
-      constexpr ActivationKind K = decltype(k)::value;
-      cutlass::Array<float, N> y;
-      if (keep && args.act_grad) {
-        cutlass::Array<float, N> g;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < N; ++i) detail::act_and_grad<K>(h[i], y[i], g[i]);
-        cutlass::NumericArrayConverter<cutlass::half_t, float, N, cutlass::FloatRoundStyle::round_to_nearest> to_half;
-        auto g16 = to_half(g);
-        saved = reinterpret_cast<cutlass::Array<Element, N> const&>(g16);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < N; ++i) y[i] = detail::act<K>(h[i]);
-        if (keep) {
-          cutlass::NumericArrayConverter<Element, float, N, cutlass::FloatRoundStyle::round_to_nearest> to_element;
-          saved = to_element(h);
-        }
-      }
-      return y;
     });
   }
 };

@@ -75,10 +75,6 @@ struct Primitives {
       AuxStoreL2<Stages, EpilogueTile, Element, Round, StrideMN,
                  typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment>>;
   using Store = StoreWith<StoreDesc::Stages>;
-  // A store that also transforms (AuxStoreL2's Saver): through smem only.
-  template <class Saver>
-  using StoreSaving = AuxStoreL2<StoreDesc::Stages, EpilogueTile, Element, Round, StrideMN,
-                                 typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment, Saver>;
   // Per-row / per-column vectors (null: the default value).
   using PerRowF32 = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
   using PerColF32 = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;

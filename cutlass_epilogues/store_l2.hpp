@@ -11,8 +11,6 @@
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cutlass/epilogue/fusion/sm90_visitor_store_tma_warpspecialized.hpp>
 
-#include <type_traits>
-
 #include "l2_policy.hpp"
 
 namespace coda::epilogues {
@@ -92,27 +90,11 @@ struct Copy_Traits<coda::epilogues::TmaStoreL2, NumBitsPerTMA, AuxParams_> {
 
 namespace coda::epilogues {
 
-// Saver = void: the child's value passes through and is stored as is.
-struct NoSaverArguments {};
-template <class Saver>
-struct SaverArgumentsOf {
-  using type = typename Saver::Arguments;
-};
-template <>
-struct SaverArgumentsOf<void> {
-  using type = NoSaverArguments;
-};
-
 // An (M, N) output of the epilogue program through smem and a hinted TMA
 // store (null pointer: not written). The smem layout is Sm90AuxStore's, so
 // the node holds the same bytes.
-//
-// With a Saver (e.g. ActivationSaver in activation.hpp) the node also
-// transforms: Saver(child, args, storing, saved) returns the value passed up
-// the tree and fills what is stored, so one node computes both from shared
-// work (the GELU and its derivative share a tanh) without a split tree.
 template <int Stages, class EpilogueTile, class Element, cutlass::FloatRoundStyle Round, class StrideMNL,
-          class SmemLayoutAtom, class CopyOpR2S, int Alignment, class Saver = void>
+          class SmemLayoutAtom, class CopyOpR2S, int Alignment>
 struct AuxStoreL2 {
   static_assert(Stages > 0, "AuxStoreL2 stores through smem");
   using Stock = cutlass::epilogue::fusion::Sm90AuxStore<Stages, EpilogueTile, Element, Round, StrideMNL,
@@ -120,12 +102,7 @@ struct AuxStoreL2 {
   using SmemLayoutTma = typename Stock::SmemLayoutTma;  // one TMA box
   using SmemLayout = typename Stock::SmemLayout;        // (EPI_M, EPI_N, Stages)
   using SharedStorage = typename Stock::SharedStorage;
-  using SaverArguments = typename SaverArgumentsOf<Saver>::type;
-  struct Arguments {
-    Element* ptr_aux = nullptr;
-    StrideMNL dAux = {};
-    SaverArguments saver = {};
-  };
+  using Arguments = typename Stock::Arguments;          // {ptr_aux, dAux}
 
   struct Params {
     using Tma = decltype(cute::make_tma_copy(
@@ -134,7 +111,6 @@ struct AuxStoreL2 {
         SmemLayoutTma{}));
     Tma tma;
     bool is_nullptr = true;
-    SaverArguments saver = {};
   };
 
   template <class ProblemShape>
@@ -142,7 +118,6 @@ struct AuxStoreL2 {
     auto [M, N, K, L] = cute::append<4>(problem_shape, 1);
     Params p;
     p.is_nullptr = args.ptr_aux == nullptr;
-    p.saver = args.saver;
     if (!p.is_nullptr) {
       auto tensor = cute::make_tensor(args.ptr_aux, cute::make_layout(cute::make_shape(M, N, L), args.dAux));
       p.tma = cute::make_tma_copy(TmaStoreL2{}, tensor, SmemLayoutTma{});
@@ -195,14 +170,9 @@ struct AuxStoreL2 {
     template <class ElementAcc, class ElementIn, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAcc, FragmentSize> const&, int epi_v, int, int,
                               cutlass::Array<ElementIn, FragmentSize> const& in) {
-      auto& out = cute::recast<cutlass::Array<Element, FragmentSize>>(cute::coalesce(regs))(epi_v);
-      if constexpr (std::is_void_v<Saver>) {
-        cutlass::NumericArrayConverter<Element, ElementIn, FragmentSize, Round> convert;
-        out = convert(in);
-        return in;
-      } else {
-        return Saver{}(in, params->saver, !params->is_nullptr, out);
-      }
+      cutlass::NumericArrayConverter<Element, ElementIn, FragmentSize, Round> convert;
+      cute::recast<cutlass::Array<Element, FragmentSize>>(cute::coalesce(regs))(epi_v) = convert(in);
+      return in;
     }
 
     CUTLASS_DEVICE void postreduce(int, int, int store_iteration, bool issue_smem_store) {

@@ -23,17 +23,14 @@ coda::DType dtype_of(const at::Tensor& t, const char* name) {
   TORCH_CHECK(false, "coda: ", name, " must be bfloat16 or float16, got ", t.scalar_type());
 }
 
-void check_matrix(const at::Tensor& t, const char* name, const at::Tensor& like, at::ScalarType dtype) {
+void check_matrix(const at::Tensor& t, const char* name, const at::Tensor& like) {
   TORCH_CHECK(t.dim() == 2, "coda: ", name, " must be 2-D, got shape ", t.sizes());
   TORCH_CHECK(t.is_cuda(), "coda: ", name, " must be a CUDA tensor, got ", t.device());
   TORCH_CHECK(t.device() == like.device(), "coda: ", name, " is on ", t.device(), ", expected ", like.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "coda: ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), "coda: ", name, " has dtype ", t.scalar_type(), ", expected ",
+              like.scalar_type());
   TORCH_CHECK(t.stride(1) == 1, "coda: ", name, " must have contiguous rows (stride(1) == 1), got strides ",
               t.strides());
-}
-
-void check_matrix(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  check_matrix(t, name, like, like.scalar_type());
 }
 
 void check_vector(const at::Tensor& t, const char* name, int64_t n, const at::Tensor& like) {
@@ -58,14 +55,11 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
-// y = act(x·wᵀ + bias) + residual; the second output is, for the backward,
-// H = x·wᵀ + bias when save_pre_act, act'(H) in fp16 when save_act_grad, else
-// an empty tensor.
+// y = act(x·wᵀ + bias) + residual; pre_act = x·wᵀ + bias when save_pre_act (else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias,
                                                const std::optional<at::Tensor>& residual, int64_t activation,
-                                               bool save_pre_act, bool save_act_grad) {
-  TORCH_CHECK(!(save_pre_act && save_act_grad), "coda: save_pre_act and save_act_grad cannot both be set");
+                                               bool save_pre_act) {
   check_matrix(x, "x", x);
   check_matrix(weight, "weight", x);
   TORCH_CHECK(weight.size(1) == x.size(1), "coda: weight must have shape (N, ", x.size(1), "), got ", weight.sizes());
@@ -78,9 +72,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Te
   }
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor h = save_pre_act    ? at::empty({m, n}, x.options())
-                 : save_act_grad ? at::empty({m, n}, x.options().dtype(at::kHalf))
-                                 : at::empty({0}, x.options());
+  at::Tensor h = save_pre_act ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
 
   coda::LinearArgs a;
   a.m = m; a.n = n; a.k = k;
@@ -93,37 +85,28 @@ std::tuple<at::Tensor, at::Tensor> gemm_linear(const at::Tensor& x, const at::Te
   a.y = y.data_ptr(); a.ldy = y.stride(0);
   a.pre_act = save_pre_act ? h.data_ptr() : nullptr;
   a.ld_pre_act = save_pre_act ? h.stride(0) : 0;
-  a.act_grad = save_act_grad ? h.data_ptr() : nullptr;
-  a.ld_act_grad = save_act_grad ? h.stride(0) : 0;
   coda::DType dt = dtype_of(x, "x");
   at::Tensor ws = workspace(coda::linear_workspace_size(dt, a), x);
   check_status(coda::linear(dt, a, ws.data_ptr(), ws.numel(), c10::cuda::getCurrentCUDAStream()), "gemm_linear");
   return {y, h};
 }
 
-// dx = (dy·weight) ⊙ act'(pre_act), or ⊙ act_grad (fp16, from gemm_linear's
-// save_act_grad); dbias = Σ_rows dx when compute_dbias (else empty).
+// dx = (dy·weight) ⊙ act'(pre_act); dbias = Σ_rows dx when compute_dbias (else empty).
 std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Tensor& weight,
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                              bool compute_dbias, const std::optional<at::Tensor>& act_grad) {
+                                              bool compute_dbias) {
   check_matrix(dy, "dy", dy);
   check_matrix(weight, "weight", dy);
   TORCH_CHECK(weight.size(0) == dy.size(1), "coda: weight must have shape (", dy.size(1), ", N), got ",
               weight.sizes());
   const int64_t m = dy.size(0), n = weight.size(1), k = dy.size(1);
   coda::Activation act = activation_of(activation);
-  TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value() || act_grad.has_value(),
-              "coda: pre_act or act_grad is required when the activation is not identity");
-  TORCH_CHECK(!(pre_act.has_value() && act_grad.has_value()), "coda: pass pre_act or act_grad, not both");
+  TORCH_CHECK(act == coda::Activation::kIdentity || pre_act.has_value(),
+              "coda: pre_act is required when the activation is not identity");
   if (pre_act) {
     check_matrix(*pre_act, "pre_act", dy);
     TORCH_CHECK(pre_act->size(0) == m && pre_act->size(1) == n, "coda: pre_act must have shape (", m, ", ", n,
                 "), got ", pre_act->sizes());
-  }
-  if (act_grad) {
-    check_matrix(*act_grad, "act_grad", dy, at::kHalf);
-    TORCH_CHECK(act_grad->size(0) == m && act_grad->size(1) == n, "coda: act_grad must have shape (", m, ", ", n,
-                "), got ", act_grad->sizes());
   }
   c10::cuda::CUDAGuard guard(dy.device());
   at::Tensor dx = at::empty({m, n}, dy.options());
@@ -136,8 +119,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_dgrad(const at::Tensor& dy, const at::Te
   a.activation = act;
   a.pre_act = pre_act ? pre_act->data_ptr() : nullptr;
   a.ld_pre_act = pre_act ? pre_act->stride(0) : 0;
-  a.act_grad = act_grad ? act_grad->data_ptr() : nullptr;
-  a.ld_act_grad = act_grad ? act_grad->stride(0) : 0;
   a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
   a.dbias = compute_dbias ? db.data_ptr() : nullptr;
   coda::DType dt = dtype_of(dy, "dy");
@@ -446,10 +427,10 @@ std::string kernel_configs(const std::string& op) { return coda::kernel_configs(
 }  // namespace
 
 TORCH_LIBRARY(coda, m) {
-  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act,"
-        " bool save_act_grad=False) -> (Tensor, Tensor)");
-  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias,"
-        " Tensor? act_grad=None) -> (Tensor, Tensor)");
+  m.def("gemm_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, int activation, bool save_pre_act)"
+        " -> (Tensor, Tensor)");
+  m.def("gemm_dgrad(Tensor dy, Tensor weight, Tensor? pre_act, int activation, bool compute_dbias)"
+        " -> (Tensor, Tensor)");
   m.def("gemm_wgrad(Tensor dy, Tensor x) -> Tensor");
   m.def("norm_fold_weight(Tensor weight, Tensor gamma, Tensor? beta, Tensor? bias, bool want_folded)"
         " -> (Tensor, Tensor, Tensor)");

@@ -493,7 +493,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
         }),
     }
     dy, w2, h1 = rand(m, d), rand(d, f) * f**-0.5, rand(m, f)
-    g1 = torch.rand(m, f, device="cuda", dtype=torch.float16)  # a kept act'(h1)
     s1, t1 = torch.randn(f, device="cuda"), torch.randn(f, device="cuda")
     # What each part of fc2's dgrad epilogue costs (the cooperative kernel):
     # the bias gradient, the load of H, GELU' on it.
@@ -503,7 +502,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
         "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
-        "coda[saved_grad+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 1, True, g1),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
     })
     # The same for fc1's forward (ping-pong, which should hide its epilogue
@@ -514,7 +512,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
         "coda[bias]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 0, False),
         "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False),
         "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True),
-        "coda[gelu,save_grad]": lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, False, True),
         "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, None, None, 0, False), config=0),
         "coda[c0,gelu,save_h]": _tuned(lambda: torch.ops.coda.gemm_linear(x1, w1, b1, None, 1, True), config=0),
     })

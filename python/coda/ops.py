@@ -171,55 +171,41 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 def _mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
          residual: Optional[Tensor], activation: int, save_for_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     # x (M, D), w1 (F, D), b1 (F), w2 (E, F), b2 (E), residual (M, E)
-    #   -> y (M, E), g1 (M, F) for the backward: act'(h1) in fp16 for bf16
-    #      inputs (reference.keeps_act_grad), else h1; a1 (M, F) activation;
-    #      (0,) when not saved.
-    # fc1's epilogue keeps act'(h1) rather than h1: it has the tanh already,
-    # and fc2's dgrad then only multiplies (ActivationSaver, activation.hpp).
+    #   -> y (M, E), h1 (M, F) pre-activation, a1 (M, F) activation; (0,) when not saved
     if x.shape[0] and _kernels.usable([x, w1, b1, w2, b2, residual], [x.shape[1], w1.shape[0], w2.shape[0]]):
-        save = save_for_backward and activation != _activations.IDENTITY
-        save_g = save and reference.keeps_act_grad(x.dtype)
-        a1, g1 = torch.ops.coda.gemm_linear(_kernels.rows(x), w1.contiguous(), _contig(b1), None, activation,
-                                            save and not save_g, save_g)
+        save_h = save_for_backward and activation != _activations.IDENTITY
+        a1, h1 = torch.ops.coda.gemm_linear(_kernels.rows(x), w1.contiguous(), _contig(b1), None, activation, save_h)
         y, _ = torch.ops.coda.gemm_linear(a1, w2.contiguous(), _contig(b2),
                                           None if residual is None else _kernels.rows(residual), 0, False)
-        return y, g1, (a1 if save_for_backward else _empty(x))
-    return reference.mlp_forward(x, w1, b1, w2, b2, residual, activation, save_for_backward, save_act_grad=True)
+        return y, h1, (a1 if save_for_backward else _empty(x))
+    return reference.mlp_forward(x, w1, b1, w2, b2, residual, activation, save_for_backward)
 
 
 @_mlp.register_fake
 def _(x, w1, b1, w2, b2, residual, activation, save_for_backward):
     m, f = x.shape[0], w1.shape[0]
-    save_g = save_for_backward and activation != _activations.IDENTITY
-    return (x.new_empty(m, w2.shape[0]),
-            x.new_empty(m, f, dtype=torch.float16 if reference.keeps_act_grad(x.dtype) else x.dtype) if save_g
-            else x.new_empty(0),
+    save_h = save_for_backward and activation != _activations.IDENTITY
+    return (x.new_empty(m, w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
             x.new_empty(m, f) if save_for_backward else x.new_empty(0))
 
 
 @torch.library.custom_op("coda::mlp_backward", mutates_args=())
-def _mlp_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, g1: Tensor, a1: Tensor, activation: int,
+def _mlp_backward(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, h1: Tensor, a1: Tensor, activation: int,
                   has_b1: bool, has_b2: bool, need_dx: bool, need_dw1: bool,
                   need_dw2: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # g1: what _mlp kept, act'(h1) (fp16) or h1 (empty for identity)
     # -> dx (M, D), dw1 (F, D), db1 (F), dw2 (E, F), db2 (E); (0,) when not needed
-    act = activation != _activations.IDENTITY
-    keeps_g = act and reference.keeps_act_grad(x.dtype)
-    h1 = g1 if act and not keeps_g else None
-    if (x.shape[0] and _kernels.usable([dy, x, w1, w2, a1, h1], [x.shape[1], w1.shape[0], w2.shape[0]])
-            and (not keeps_g or (g1.dtype == torch.float16 and g1.data_ptr() % 16 == 0))):
+    if x.shape[0] and _kernels.usable([dy, x, w1, w2, h1, a1], [x.shape[1], w1.shape[0], w2.shape[0]]):
         dy = _kernels.rows(dy)
         dw2 = torch.ops.coda.gemm_wgrad(dy, a1) if need_dw2 else _empty(dy)
         db2 = reference.bias_grad(dy) if has_b2 else _empty(dy)
-        # fc2's dgrad epilogue applies act' (computes it from h1, or multiplies
-        # by the kept act'(h1)) and reduces db1: no elementwise pass over the
-        # (M, F) activation gradient.
-        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, w2.contiguous(), h1, activation, has_b1, g1 if keeps_g else None)
+        # fc2's dgrad epilogue applies act' (with the saved h1) and reduces db1:
+        # no elementwise pass over the (M, F) activation gradient.
+        fused_h = h1 if activation != _activations.IDENTITY else None
+        dh1, db1 = torch.ops.coda.gemm_dgrad(dy, w2.contiguous(), fused_h, activation, has_b1)
         dw1 = torch.ops.coda.gemm_wgrad(dh1, x) if need_dw1 else _empty(dy)
         dx = torch.ops.coda.gemm_dgrad(dh1, w1.contiguous(), None, 0, False)[0] if need_dx else _empty(dy)
         return dx, dw1, db1, dw2, db2
-    return reference.mlp_backward(dy, x, w1, w2, g1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need_dw2,
-                                  saved_grad=True)
+    return reference.mlp_backward(dy, x, w1, w2, h1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need_dw2)
 
 
 @_mlp_backward.register_fake
@@ -231,8 +217,8 @@ def _(dy, x, w1, w2, h1, a1, activation, has_b1, has_b2, need_dx, need_dw1, need
 
 def _mlp_setup(ctx, inputs, output):
     x, w1, b1, w2, b2, residual, activation, _ = inputs
-    _, g1, a1 = output
-    ctx.save_for_backward(x, w1, w2, g1, a1)
+    _, h1, a1 = output
+    ctx.save_for_backward(x, w1, w2, h1, a1)
     _state_outputs(ctx, output[1:])
     ctx.activation = activation
     ctx.has_b1, ctx.has_b2, ctx.has_residual = b1 is not None, b2 is not None, residual is not None
@@ -241,12 +227,14 @@ def _mlp_setup(ctx, inputs, output):
 def _mlp_grad(ctx, dy, _dh1, _da1):
     if dy is None:
         return (None,) * 8
-    x, w1, w2, g1, a1 = ctx.saved_tensors
+    x, w1, w2, h1, a1 = ctx.saved_tensors
     if a1.numel() != x.shape[0] * w1.shape[0]:
         raise RuntimeError("coda.mlp: backward needs the saved activations, which were not kept "
                            "(no input required grad when the forward ran)")
+    if ctx.activation == _activations.IDENTITY:
+        h1 = a1
     nx, nw1, nb1, nw2, nb2, nres = ctx.needs_input_grad[:6]
-    dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, w1, w2, g1, a1, ctx.activation, ctx.has_b1 and nb1,
+    dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation, ctx.has_b1 and nb1,
                                            ctx.has_b2 and nb2, nx, nw1, nw2)
     return (dx if nx else None, dw1 if nw1 else None, db1 if ctx.has_b1 and nb1 else None,
             dw2 if nw2 else None, db2 if ctx.has_b2 and nb2 else None,

@@ -47,28 +47,6 @@ def act_backward(dy, h, act: int):
     return (dy.to(ct) * _activations.grad(h.to(ct), act)).to(dy.dtype)
 
 
-def keeps_act_grad(dtype: torch.dtype) -> bool:
-    """Whether coda's MLP keeps act'(h1) (fp16) for its backward instead of h1.
-    bf16 only: act' is within [-0.2, 1.2] for every activation here and fp16
-    rounds it 8x finer than bf16 rounds dh, so bf16 gradients do not see it;
-    fp16 gradients would (their own rounding is as fine), so fp16 keeps h1."""
-    return dtype == torch.bfloat16
-
-
-def saved_act_grad(h, act: int):
-    """act'(h) in fp16, as a forward keeps it for a backward that only multiplies."""
-    ct = torch.promote_types(h.dtype, torch.float32)
-    return _activations.grad(h.to(ct), act).to(torch.float16)
-
-
-def saved_act_backward(dy, g, act: int):
-    """dy ⊙ g, g = act'(h) from saved_act_grad; computed in float32 (at least), rounded once."""
-    if act == _activations.IDENTITY:
-        return dy
-    ct = torch.promote_types(dy.dtype, torch.float32)
-    return (dy.to(ct) * g.to(ct)).to(dy.dtype)
-
-
 def bias_grad(dh):
     ct = torch.promote_types(dh.dtype, torch.float32)
     return dh.sum(0, dtype=ct).to(dh.dtype)
@@ -82,9 +60,7 @@ def linear_backward(dy, x, weight, h, act: int, has_bias: bool, need_dx: bool, n
     return dx, dw, db
 
 
-def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, save_act_grad: bool = False):
-    """-> y, and for the backward h1 (or, with save_act_grad where
-    keeps_act_grad, act'(h1) from saved_act_grad) and a1; empty where not kept."""
+def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool):
     h1 = F.linear(x, w1, b1)
     a1 = _activations.apply(h1, act)
     y = F.linear(a1, w2, b2)
@@ -94,19 +70,14 @@ def mlp_forward(x, w1, b1, w2, b2, residual, act: int, save: bool, save_act_grad
         return y, x.new_empty(0), x.new_empty(0)
     if act == _activations.IDENTITY:  # h1 is a1: keep one, outputs may not alias
         return y, x.new_empty(0), a1
-    return y, (saved_act_grad(h1, act) if save_act_grad and keeps_act_grad(x.dtype) else h1), a1
+    return y, h1, a1
 
 
 def mlp_backward(dy, x, w1, w2, h1, a1, act: int, has_b1: bool, has_b2: bool,
-                 need_dx: bool, need_dw1: bool, need_dw2: bool, saved_grad: bool = False):
-    """h1: the pre-activation, or with saved_grad where keeps_act_grad act'(h1)
-    (saved_act_grad)."""
+                 need_dx: bool, need_dw1: bool, need_dw2: bool):
     dw2 = dy.t() @ a1 if need_dw2 else dy.new_empty(0)
     db2 = bias_grad(dy) if has_b2 else dy.new_empty(0)
-    if saved_grad and keeps_act_grad(dy.dtype):
-        dh1 = saved_act_backward(dy @ w2, h1, act)
-    else:
-        dh1 = act_backward(dy @ w2, h1, act)
+    dh1 = act_backward(dy @ w2, h1, act)
     dw1 = dh1.t() @ x if need_dw1 else dy.new_empty(0)
     db1 = bias_grad(dh1) if has_b1 else dy.new_empty(0)
     dx = dh1 @ w1 if need_dx else dy.new_empty(0)

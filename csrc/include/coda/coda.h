@@ -37,8 +37,6 @@ enum class DType : int { kBFloat16 = 0, kFloat16 = 1 };
 enum class Activation : int { kIdentity = 0, kGeluTanh = 1, kGeluErf = 2, kReLU = 3, kSiLU = 4 };
 
 // Y = act(X·Wᵀ + bias) + residual;  H = X·Wᵀ + bias  (the forward of a Linear).
-// For the backward it keeps H (pre_act) or act'(H) in fp16 (act_grad), which
-// leaves the backward's dgrad only a multiply (DgradArgs::act_grad).
 struct LinearArgs {
   int64_t m = 0, n = 0, k = 0;       // tokens, out features, in features
   const void* x = nullptr;           // (m, k)
@@ -53,15 +51,12 @@ struct LinearArgs {
   int64_t ldy = 0;
   void* pre_act = nullptr;           // (m, n) out, H for the backward; or null
   int64_t ld_pre_act = 0;
-  void* act_grad = nullptr;          // (m, n) out, act'(H) in fp16 (either dtype); or null.
-  int64_t ld_act_grad = 0;           //   At most one of pre_act and act_grad.
 };
 
 // dX = (dY·W) ⊙ act'(H);  dbias = Σ_rows dX.  The dgrad GEMM of the layer
 // *after* an activation, with that activation's backward and its bias
-// gradient in the epilogue: act'(H) computed from pre_act, or read from
-// act_grad (kept by LinearArgs::act_grad). With Activation::kIdentity and
-// null pre_act / act_grad / dbias it is the plain dgrad dX = dY·W.
+// gradient in the epilogue. With Activation::kIdentity and null pre_act /
+// dbias it is the plain dgrad dX = dY·W.
 struct DgradArgs {
   int64_t m = 0, n = 0, k = 0;       // tokens, in features (of dX), out features (of dY)
   const void* dy = nullptr;          // (m, k)
@@ -71,8 +66,6 @@ struct DgradArgs {
   Activation activation = Activation::kIdentity;
   const void* pre_act = nullptr;     // (m, n) H saved by the forward, or null
   int64_t ld_pre_act = 0;
-  const void* act_grad = nullptr;    // (m, n) act'(H) in fp16 saved by the forward, or null;
-  int64_t ld_act_grad = 0;           //   then activation is not used. Not with pre_act or the row dots.
   void* dx = nullptr;                // (m, n) out
   int64_t lddx = 0;
   void* dbias = nullptr;             // (n) out, or null
