@@ -11,12 +11,16 @@
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
 //            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
-// Tried and removed: fc1's forward keeping act'(H) instead of H, so that this
-// epilogue only multiplies (GELU' in the ping-pong forward, whose epilogue
-// overlaps the other warp group's MMAs). In the 2946200 run, interleaved with
-// cuBLAS, it saved fc2's dgrad 62 us (3.494 ms against 3.556) and cost fc1's
-// forward 76 us (3.420 against 3.344): at the power cap GELU' costs about as
-// much wherever it runs.
+// Tried twice and removed: fc1's forward keeping act'(H) instead of H, so
+// that this epilogue only multiplies (GELU' in the ping-pong forward, whose
+// epilogue overlaps the other warp group's MMAs). In the 2946200 run,
+// interleaved with cuBLAS, it saved fc2's dgrad 62 us (3.494 ms against
+// 3.556) and cost fc1's forward 76 us (3.420 against 3.344): at the power cap
+// GELU' costs about as much wherever it runs. The e0399d3 run computed act'
+// from the forward's own tanh (four FP32 ops more than GELU alone, in the
+// H store node) and kept it in fp16 (0.47x torch's error): the dgrad saved
+// 51 us (3.467 against 3.518), the forward lost 67 us (3.446 against 3.379).
+// Those four ops cost the forward more than GELU's own five and the tanh.
 //
 // Each output tile writes its column sums to a (ceil(M/TileM), N rounded up
 // to TileN) fp32 buffer; a small column-sum kernel finishes dbias. CUTLASS's
