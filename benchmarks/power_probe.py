@@ -83,14 +83,19 @@ def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
         "fc1_fwd": {
             "cublas": lambda: torch.matmul(x, w1.t()),
             "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
+            "coda[bias]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 0, False),
             "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, False),
             "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True),
             "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
         },
-        # fc2's dgrad (cooperative), plain and with GELU' and db1
+        # fc2's dgrad (cooperative), plain, with GELU' and db1, and the parts
+        # of that epilogue one by one (as the bench's breakdown)
         "fc2_dgrad": {
             "cublas": lambda: torch.matmul(dy, w2),
             "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
+            "coda[dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True),
+            "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
+            "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, False),
             "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True),
         },
     }
