@@ -192,10 +192,7 @@ Choice choose_forward(int64_t n, int64_t k) {
 Choice choose_linear(const LinearArgs& a) { return choose_forward(a.n, a.k); }
 
 Choice choose_dgrad(const DgradArgs& a) {
-  Choice c;  // cooperative
-  // With H to load (an activation's backward), its loads 4 deep (kernels.h,
-  // 17; bf16, the others fall back to 0).
-  if (a.pre_act != nullptr) c.config = kernels::Config::kCooperative128x256Load4;
+  Choice c;  // cooperative: the only dgrad configuration built
   c.raster = a.n > a.k ? 2 : 1;
   c.swizzle = 8;
   return apply_tuning(c);
@@ -386,7 +383,6 @@ const char* config_name(Config c) {
     case Config::kSplitN192x192: return "splitn_192x192_2x1";
     case Config::kSplitN320x128: return "splitn_320x128_1x2";
     case Config::kPingpong128x128DirectAux: return "pingpong_128x128_1x2_direct_aux";
-    case Config::kCooperative128x256Load4: return "cooperative_128x256_2x1_load4";
   }
   return "unknown";
 }
@@ -412,8 +408,7 @@ std::string listed(Configs<Base...>, Configs<Sweep...>) {
 const char* kernel_configs(const char* op) {
   static const std::string linear = listed(LinearConfigs{}, LinearSweep{});
   static const std::string norm_linear = listed(NormLinearConfigs{}, NormLinearConfigs{});
-  // 17 is built for bf16 dgrads in every build (dgrad() dispatches it).
-  static const std::string dgrad = listed(OneConfig{}, DgradSweep{}) + ",17:" + config_name(Config::kCooperative128x256Load4);
+  static const std::string dgrad = listed(OneConfig{}, DgradSweep{});
   static const std::string wgrad = listed(OneConfig{}, WgradSweep{});
   static const std::string residual = listed(ResidualConfigs{}, ResidualSweep{});
   static const std::string norm_dgrad = listed(OneConfig{}, NormDgradSweep{});
@@ -493,9 +488,6 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   e.ld_pre_act = a.ld_pre_act;
   e.activation = static_cast<int>(a.activation);
   e.dbias = a.dbias;
-  if (dtype == DType::kBFloat16 && choice.config == Config::kCooperative128x256Load4) {
-    return kernels::dact_dbias<DType::kBFloat16, Config::kCooperative128x256Load4>(p, e);
-  }
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias<dt.value, cfg.value>(p, e); });
 }
@@ -505,9 +497,6 @@ size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
   auto p = dgrad_problem(a, choice, nullptr, 0, nullptr);
   if (a.norm_c1 != nullptr) {
     return kernels::dact_rowdot_workspace<DType::kBFloat16, kernels::Config::kCooperative128x256>(p, rowdot_epilogue(a));
-  }
-  if (dtype == DType::kBFloat16 && choice.config == Config::kCooperative128x256Load4) {
-    return kernels::dact_dbias_workspace<DType::kBFloat16, Config::kCooperative128x256Load4>(p);
   }
   return with_kernel(OneConfig{}, DgradSweep{}, dtype, choice.config,
                            [&](auto dt, auto cfg) { return kernels::dact_dbias_workspace<dt.value, cfg.value>(p); });

@@ -39,14 +39,12 @@ struct TileConfig;
 // own counts, see EpilogueRecipe).
 using EpilogueTileAuto = cutlass::epilogue::collective::EpilogueTileAuto;
 
-template <class Tile, class Cluster, class Scheduler = void, class EpiTile = EpilogueTileAuto, int EpiStages = 0,
-          int LoadStages = 0>
+template <class Tile, class Cluster, class Scheduler = void, class EpiTile = EpilogueTileAuto, int EpiStages = 0>
 struct CooperativeTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
   using EpilogueTile = EpiTile;
   static constexpr int kEpilogueStages = EpiStages;
-  static constexpr int kEpilogueLoadStages = LoadStages;  // 0: the recipe's cap (kEpilogueLoadStages below)
   static constexpr bool kDirectAux = false;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
@@ -84,7 +82,6 @@ struct PingpongTile {
   using ClusterShape = Cluster;
   using EpilogueTile = EpiTile;
   static constexpr int kEpilogueStages = 0;
-  static constexpr int kEpilogueLoadStages = 0;
   static constexpr bool kDirectAux = DirectAux;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
@@ -143,9 +140,6 @@ template <>
 struct TileConfig<Config::kPingpong128x128Epi64>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
 template <>
-struct TileConfig<Config::kCooperative128x256Load4>
-    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, EpilogueTileAuto, 0, 4> {};
-template <>
 struct TileConfig<Config::kPingpong128x128DirectAux>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, EpilogueTileAuto, true> {};
 
@@ -191,7 +185,7 @@ inline int sm_count(int device) {
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
-          class SwizzleTile = void, bool DirectAux = false, int LoadStages = 0>
+          class SwizzleTile = void, bool DirectAux = false>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
   // A named subtile is used as given: CUTLASS's helper would refuse the
@@ -209,9 +203,7 @@ struct EpilogueRecipe {
   using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
                                   cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>, Element,
                                   SmemSwizzleTile>());
-  static constexpr int kLoadCap = LoadStages > 0                                      ? LoadStages
-                                  : MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages
-                                                                                     : kEpilogueLoadStages;
+  static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
   static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
   static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
@@ -317,8 +309,7 @@ struct Gemm {
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
   using EpilogueDescriptor =
       EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
-                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux,
-                     Tile::kEpilogueLoadStages>;
+                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
   // The collective builder's assembly (Sm90TmaBuilderImpl), with the

@@ -72,11 +72,6 @@ enum class Config : int {
   // registers and global memory, no smem (PingpongTile in gemm.cuh): tied
   // with 1 where the epilogue loads nothing, lost where it loads.
   kPingpong128x128DirectAux = 15,  // as 1, aux loads and stores without smem
-  // fc2's dgrad waits ~70 us on its H loads (73a9d7a profile: 4.6 M more
-  // instructions, 2.85 ms against 2.78 without H): two smem buffers keep one
-  // subtile's load ahead of the consumers. 17 gives the loads four, and the
-  // mainloop three stages of 48 KB instead of four (built for bf16 dgrads).
-  kCooperative128x256Load4 = 17,  // as 0, the epilogue's loads 4 deep (3 mainloop stages)
   // 16 was 0 with the epilogue's loads 3 stages deep and D through one
   // buffer (the same smem), asking whether fc2's dgrad epilogue (1.08-1.10x
   // cuBLAS's cycles at a higher clock) waits on its H loads. It lost: 1.114x

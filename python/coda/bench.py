@@ -503,11 +503,6 @@ def run_norm_breakdown(r: Runner, m: int, d: int, f: int, dtype: torch.dtype,
         "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, False),
         "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True),
         "coda[dgelu+dbias+rowdot]": lambda: torch.ops.coda.gemm_dgrad_rowdot(dy, w2, h1, 1, True, t1, s1, 1.0 / d),
-        # With H the heuristic picks 17 (the epilogue's loads 4 deep, 3
-        # mainloop stages, kernels.h); 0 is the configuration before it.
-        "coda[c0,load_h+dbias]": _tuned(lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True), config=0),
-        "coda[c0,dgelu+dbias]": _tuned(lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 1, True), config=0),
-        "coda[l4,dgrad]": _tuned(lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), config=17),
     })
     # The same for fc1's forward (ping-pong, which should hide its epilogue
     # behind the other warp group's mainloop), and the cooperative kernel (0).
