@@ -181,7 +181,9 @@ inline int sm_count(int device) {
 // evict-last priority), with or without evict-first loads, ran fc2's dgrad
 // with GELU' and db1 at 1.070-1.073x cuBLAS against 1.069x without, the
 // norm's dgrad at 1.039-1.040x against 1.040x (f2b0385, interleaved; the
-// node was removed after that run).
+// node was removed after that run). Nor is it this cap: four buffers (and
+// three mainloop stages) ran fc2's dgrad with GELU' and db1 in the same
+// 3.536 ms as two (c2bc99a, kernels.h's note on 17).
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,

@@ -78,6 +78,13 @@ enum class Config : int {
   // the cycles with GELU' and db1 where 0 took 1.078x, 1.043x plain against
   // 1.015x (a7c6072 power probe; the GPU tests passed on it). Removed with
   // the recipe parameters it needed (commit a7c6072 has them).
+  // 17 was 0 with the epilogue's loads 4 deep and D's two buffers kept (3
+  // mainloop stages), asking again whether the ~70 us fc2's dgrad waits on
+  // its H loads (73a9d7a profile) is the buffers' depth. It is not: with
+  // GELU' and db1 3.536 ms against 3.536 for 0 (c2bc99a run, interleaved;
+  // loading H with db1 only 3.444 against 3.461); the third mainloop stage
+  // dropped cost the plain dgrad nothing (3.347 against 3.352). Removed
+  // after that run (commit c2bc99a has it).
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
