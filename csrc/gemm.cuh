@@ -17,7 +17,6 @@
 
 #include <string>
 
-#include "primitives.hpp"
 #include "store_l2.hpp"
 #include "error.h"
 #include "kernels.h"
@@ -187,12 +186,8 @@ inline int sm_count(int device) {
 // 3.536 ms as two (c2bc99a, kernels.h's note on 17).
 constexpr int kEpilogueLoadStages = 2;
 
-//
-// A program that reads the GEMM's C (epilogues::ReadsSource) gets CUTLASS's
-// own recipe for a source: four buffers that C is loaded into and D stored
-// from (ReuseSmemC), the same 32 KB as two for an aux load and two for D.
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
-          class SwizzleTile = void, bool DirectAux = false, bool Source = false>
+          class SwizzleTile = void, bool DirectAux = false>
 struct EpilogueRecipe {
   using TileShape = TileShape_;
   // A named subtile is used as given: CUTLASS's helper would refuse the
@@ -203,7 +198,7 @@ struct EpilogueRecipe {
                Element, EpilogueTileAuto, Schedule, TileShape>()),
       EpilogueTileType>;
   using Stock = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
-                         TileShape, EpilogueTile, std::conditional_t<Source, Element, void>, Element, Schedule>());
+                         TileShape, EpilogueTile, void, Element, Schedule>());
   // The smem swizzle atom of D and of every aux tensor (all row-major
   // Element), chosen for SmemSwizzleTile.
   using SmemSwizzleTile = std::conditional_t<std::is_void_v<SwizzleTile>, EpilogueTile, SwizzleTile>;
@@ -211,7 +206,7 @@ struct EpilogueRecipe {
                                   cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>, Element,
                                   SmemSwizzleTile>());
   static constexpr int kLoadCap = MaxStages > 0 && MaxStages < kEpilogueLoadStages ? MaxStages : kEpilogueLoadStages;
-  static constexpr int StagesC = Source || Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
+  static constexpr int StagesC = Stock::StagesC < kLoadCap ? Stock::StagesC : kLoadCap;
   static constexpr int StagesD = MaxStages > 0 && MaxStages < Stock::StagesD ? MaxStages : Stock::StagesD;
   using DispatchPolicy = cutlass::epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Stock::FragmentSize,
                                                                    Stock::ReuseSmemC, Stock::DelayTmaStore>;
@@ -314,22 +309,19 @@ struct Gemm {
 
   // What the epilogue programs read their node parameters from (TileShape,
   // EpilogueTile, StagesC/StagesD), as CUTLASS's EpilogueDescriptor would give.
-  static constexpr bool kSource = epilogues::ReadsSource<Program>::value;
   using EpilogueDescriptor =
       EpilogueRecipe<TileShape, typename Tile::EpilogueTile, Element, typename Tile::EpilogueSchedule,
-                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux, kSource>;
+                     Tile::kEpilogueStages, typename SwizzleTileOf<Tile>::type, Tile::kDirectAux>;
   using EpilogueProgram = Program<Element, EpilogueDescriptor>;
 
   // The collective builder's assembly (Sm90TmaBuilderImpl), with the
-  // recipe's dispatch policy and swizzle. C only for a program that reads
-  // it (fc2's dgrad reads H so); residuals come in through the programs'
-  // own loads.
+  // recipe's dispatch policy and swizzle. No C: residuals come in through
+  // the program's own loads.
   using EpiTile = typename EpilogueDescriptor::EpilogueTile;
   using StrideD_ = cutlass::detail::TagToStrideC_t<LayoutD>;
-  using ElementC = std::conditional_t<kSource, Element, void>;
   using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveEpilogue<
       typename EpilogueDescriptor::DispatchPolicy, TileShape, EpiTile,
-      ElementC, StrideD_, Element, StrideD_,
+      void, StrideD_, Element, StrideD_,
       typename EpilogueProgram::Callbacks,
       cute::SM90_TMA_LOAD, typename EpilogueDescriptor::SmemLayoutAtom,
       decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, Element, EpiTile>()),
@@ -365,24 +357,12 @@ struct Gemm {
     hw_info.device_id = device;
     hw_info.sm_count = sm_count(device);
 
-    // C: the program's source, or (switched off, never read) D, so that the
-    // collective's TMA descriptor for C is built on a valid tensor.
-    ElementC const* c = nullptr;
-    int64_t ldc = p.ldd;
-    if constexpr (kSource) {
-      c = EpilogueProgram::source(epilogue);
-      if (c != nullptr) {
-        ldc = EpilogueProgram::source_ld(epilogue);
-      } else {
-        c = static_cast<Element const*>(p.d);
-      }
-    }
     typename Device::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {int(p.m), int(p.n), int(p.k), 1},
         {static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
          static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
-        {EpilogueProgram::to_callbacks(epilogue), c, stride_from_ld<StrideD>(ldc),
+        {EpilogueProgram::to_callbacks(epilogue), nullptr, stride_from_ld<StrideD>(p.ldd),
          static_cast<Element*>(p.d), stride_from_ld<StrideD>(p.ldd)},
         hw_info};
     using Raster = typename Kernel::TileScheduler::RasterOrderOptions;

@@ -9,7 +9,7 @@
 //
 //   dH = convert(                              root, converted to Element
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
-//            act_grad(acc, H[m, n])))          H as the GEMM's C (SourceIf; null: no loads)
+//            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
 // Tried twice and removed: fc1's forward keeping act'(H) instead of H, so
 // that this epilogue only multiplies (GELU' in the ping-pong forward, whose
@@ -49,7 +49,7 @@ struct DActDBias {
   template <template <class> class Fn, class Out = float>
   using Compute = typename P::template Compute<Fn, Out>;
 
-  using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, typename P::Acc, typename P::Source>;
+  using DAct = cutlass::epilogue::fusion::Sm90EVT<Compute<RuntimeActivationGrad>, typename P::Acc, typename P::Load>;
   using DBias = cutlass::epilogue::fusion::Sm90EVT<typename P::ReduceM, DAct>;
   using Callbacks = cutlass::epilogue::fusion::Sm90EVT<Compute<cutlass::epilogue::thread::Identity, Element>, DBias>;
 
@@ -63,17 +63,10 @@ struct DActDBias {
   static typename Callbacks::Arguments to_callbacks(Arguments const& a) {
     return {
         {                                        // reduce_M(act_grad(acc, H))
-            {{}, {a.pre_act != nullptr}, {a.activation}},  // act_grad(acc, H)
+            {{}, {a.pre_act, Element(0), P::matrix(a.ld_pre_act)}, {a.activation}},  // act_grad(acc, H)
             {a.dbias_partials, 0.f, {}}},  // reduce_M -> partials
         {}};                                     // convert
   }
-
-  // H is the GEMM's C (ReadsSource below; gemm.cuh passes it to the collective).
-  static Element const* source(Arguments const& a) { return a.pre_act; }
-  static int64_t source_ld(Arguments const& a) { return a.ld_pre_act; }
 };
-
-template <>
-struct ReadsSource<DActDBias> : std::true_type {};
 
 }  // namespace coda::epilogues

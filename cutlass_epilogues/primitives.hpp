@@ -14,72 +14,11 @@
 #include <cutlass/functional.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "norm_ops.hpp"
 #include "store_l2.hpp"
 
 namespace coda::epilogues {
-
-// The GEMM's source tensor C, fetched by the collective's own load pipeline,
-// when `enabled` (the run-time switch CUTLASS's Sm90SrcFetch lacks: a null
-// tensor is off, no loads). A program that reads one (M, N) tensor reads it
-// as C: the collective then stores D into the buffer C was loaded into
-// (ReuseSmemC), and hands a buffer back to the load warp once its TMA store
-// is done, where an aux load's buffer is handed back by the consumer threads
-// with a proxy fence on every subtile (EpilogueRecipe in csrc/gemm.cuh).
-struct SourceIf {
-  struct SharedStorage {};
-  struct Arguments {
-    bool enabled = false;
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE SourceIf() {}
-  CUTLASS_HOST_DEVICE SourceIf(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return params.enabled; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return params.enabled; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
-
-  template <class SrcTensor>
-  struct Callbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE explicit Callbacks(SrcTensor const& src) : src(src) {}
-    SrcTensor const& src;  // (CPY, CPY_M, CPY_N), this subtile's C in registers
-    template <class ElementAcc, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAcc, FragmentSize> const&, int epi_v, int, int) {
-      return cute::recast<cutlass::Array<typename SrcTensor::value_type, FragmentSize>>(src)(epi_v);
-    }
-  };
-
-  template <bool ReferenceSrc, class... Args>
-  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
-    return Callbacks<cute::remove_cvref_t<decltype(args.tCrC)>>(args.tCrC);
-  }
-};
-
-// Whether a program reads the GEMM's C (through SourceIf): the GEMM then
-// builds its collective with C (csrc/gemm.cuh). A program says so by
-// specializing this and providing source(args) and source_ld(args).
-template <template <class, class> class Program>
-struct ReadsSource : std::false_type {};
 
 template <class Element_, class EpilogueDescriptor>
 struct Primitives {
@@ -116,8 +55,6 @@ struct Primitives {
   static StrideMN matrix(int64_t ld) { return cute::make_stride(ld, cute::_1{}, int64_t(0)); }
 
   using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
-  // The GEMM's C (the program declares kSource, see SourceIf).
-  using Source = SourceIf;
   // Fn<Array<float, N>> applied to the children, converted to Out.
   template <template <class> class Fn, class Out = ElementCompute>
   using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
