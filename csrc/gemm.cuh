@@ -183,7 +183,12 @@ inline int sm_count(int device) {
 // norm's dgrad at 1.039-1.040x against 1.040x (f2b0385, interleaved; the
 // node was removed after that run). Nor is it this cap: four buffers (and
 // three mainloop stages) ran fc2's dgrad with GELU' and db1 in the same
-// 3.536 ms as two (c2bc99a, kernels.h's note on 17).
+// 3.536 ms as two (c2bc99a, kernels.h's note on 17). Nor the consumers'
+// per-subtile hand-back of the buffer (a proxy fence and an arrive):
+// reading H as the GEMM's C with CUTLASS's source recipe (four buffers D is
+// stored from, handed back after the TMA store; no delayed store) made its
+// load cost more, 3.494 against 3.345 ms with db1, and GELU' with db1 no
+// less, 3.556 ms (95e756f run, interleaved; reverted).
 constexpr int kEpilogueLoadStages = 2;
 
 template <class TileShape_, class EpilogueTileType, class Element, class Schedule, int MaxStages = 0,
