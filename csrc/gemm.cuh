@@ -16,9 +16,11 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include <string>
+#include <type_traits>
 
 #include "store_l2.hpp"
 #include "error.h"
+#include "partition_scheduler.cuh"
 #include "kernels.h"
 
 namespace coda::kernels {
@@ -39,7 +41,8 @@ struct TileConfig;
 // own counts, see EpilogueRecipe).
 using EpilogueTileAuto = cutlass::epilogue::collective::EpilogueTileAuto;
 
-template <class Tile, class Cluster, class Scheduler = void, class EpiTile = EpilogueTileAuto, int EpiStages = 0>
+template <class Tile, class Cluster, class Scheduler = PartitionScheduler, class EpiTile = EpilogueTileAuto,
+          int EpiStages = 0>
 struct CooperativeTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
@@ -48,7 +51,7 @@ struct CooperativeTile {
   static constexpr bool kDirectAux = false;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
+  using TileScheduler = Scheduler;  // PartitionScheduler: CUTLASS's persistent one, in a partition-aware order
 };
 
 // Cooperative, with the two consumer warp groups splitting the tile along N
@@ -62,7 +65,7 @@ struct CooperativeTile {
 // the smem swizzle atom must divide TileN/2: SwizzleTile is what the atom is
 // chosen for (64x32: 64-byte swizzle, for TileN/2 = 96).
 template <class Tile, class Cluster, class EpiTile, class SwizzleTile = EpiTile, int EpiStages = 1>
-struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, EpiStages> {
+struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, PartitionScheduler, EpiTile, EpiStages> {
   static constexpr bool kSplitN = true;
   using SmemSwizzleTile = SwizzleTile;
 };
@@ -85,7 +88,7 @@ struct PingpongTile {
   static constexpr bool kDirectAux = DirectAux;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-  using TileScheduler = void;
+  using TileScheduler = PartitionScheduler;
 };
 
 using cute::_1;
@@ -125,10 +128,10 @@ struct TileConfig<Config::kCooperative256x128Cluster2x1>
     : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_2, _1, _1>> {};
 template <>
 struct TileConfig<Config::kCooperative128x256Epi16>
-    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, cute::Shape<_128, _16>> {};
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, PartitionScheduler, cute::Shape<_128, _16>> {};
 template <>
 struct TileConfig<Config::kCooperative128x256Epi1Stage>
-    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, EpilogueTileAuto, 1> {};
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, PartitionScheduler, EpilogueTileAuto, 1> {};
 template <>
 struct TileConfig<Config::kSplitN192x192>
     : CooperativeSplitNTile<cute::Shape<_192, _192, _64>, cute::Shape<_2, _1, _1>, cute::Shape<_64, _192>,
@@ -374,6 +377,9 @@ struct Gemm {
     args.scheduler.raster_order =
         p.raster == 1 ? Raster::AlongM : (p.raster == 2 ? Raster::AlongN : Raster::Heuristic);
     args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
+    if constexpr (std::is_same_v<typename Kernel::TileScheduler, PartitionedTileScheduler>) {
+      args.scheduler.sm_partition = p.l2_partition ? l2_partition_map(device, p.stream) : nullptr;
+    }
     return args;
   }
 
