@@ -98,24 +98,21 @@ class PartitionedTileScheduler : public cutlass::gemm::kernel::detail::Persisten
     const uint32_t clusters = uint32_t(grid_ / cluster_size);
     if (params.sm_partition != nullptr && clusters <= kMaxClusters) {
       const uint32_t c = uint32_t(start / cluster_size), r = uint32_t(start % cluster_size);
-      __shared__ uint32_t place;
-      if (threadIdx.x == 0) {
-        volatile uint32_t* slot = params.counters + 2 + c;
-        uint32_t v;
-        if (r == 0) {
-          uint32_t smid;
-          asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-          v = params.sm_partition[smid & 255] == 0 ? atomicAdd(params.counters, 1u)
-                                                   : clusters - 1 - atomicAdd(params.counters + 1, 1u);
-          *slot = v + 1;
-        } else {
-          while ((v = *slot) == 0) __nanosleep(64);
-          v -= 1;
-        }
-        place = v;
+      // Every thread reads the number from the workspace: a __shared__
+      // variable here would sit in front of CUTLASS's dynamic smem and break
+      // the 1024-byte alignment its TMA swizzles need (misaligned address,
+      // fb44bce run).
+      volatile uint32_t* slot = params.counters + 2 + c;
+      if (r == 0 && threadIdx.x == 0) {
+        uint32_t smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const uint32_t v = params.sm_partition[smid & 255] == 0 ? atomicAdd(params.counters, 1u)
+                                                                : clusters - 1 - atomicAdd(params.counters + 1, 1u);
+        *slot = v + 1;
       }
-      __syncthreads();
-      start = uint64_t(place) * cluster_size + r;
+      uint32_t v;
+      while ((v = *slot) == 0) __nanosleep(64);
+      start = uint64_t(v - 1) * cluster_size + r;
     }
     idx_ = start;
 #endif

@@ -122,6 +122,9 @@ class Runner:
         self.gpu, self.warmup_ms, self.rep_ms, self.rounds = gpu, warmup_ms, rep_ms, rounds
         self.settle_ms, self.steady_rounds = settle_ms, steady_rounds
         self.results: List[Dict] = []
+        # Tuning overrides ({"l2_partition": 1}, ...) the MLP forward + backward
+        # also runs under, as impls "coda[key=value,...]" in its interleaved timing.
+        self.mlp_variants: List[Dict[str, int]] = []
 
     def time(self, case: str, impl: str, fn: Callable[[], object], flops: float, with_kernels: bool = False,
              **extra) -> Optional[Dict]:
@@ -286,8 +289,10 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "cublas", six_gemms, fl, with_kernels=True)
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
+    variants = {"coda[" + ",".join(f"{k}={v}" for k, v in t.items()) + "]":
+                _tuned(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), **t) for t in r.mlp_variants}
     r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
-                         "compile": _grads(compile_mlp, params, dy)}, fl, steady=True)
+                         "compile": _grads(compile_mlp, params, dy), **variants}, fl, steady=True)
 
 
 def _liger_rmsnorm():
@@ -685,6 +690,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rasters", default="1,2", help="raster orders the sweep tries (1: along M, 2: along N)")
     p.add_argument("--sweep-cases", help="comma-separated: sweep only the GEMMs whose names contain one of these")
     p.add_argument("--sweep-configs", help="comma-separated configuration values: sweep only these")
+    p.add_argument("--mlp-variant", action="append", default=[],
+                   help="a tuning override (key=value[,key=value], set_tuning's names) the MLP forward + backward "
+                        "also runs under in its interleaved timing; repeatable")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
@@ -709,6 +717,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         dtype = torch.float32
 
     r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.settle_ms, args.steady_rounds)
+    if gpu:
+        r.mlp_variants = [{k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))} for spec in args.mlp_variant]
     device = "cuda" if gpu else "cpu"
 
     def write() -> None:
