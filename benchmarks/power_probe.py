@@ -63,15 +63,13 @@ class Sampler:
 
 def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
              swizzle: int = -1, store_l2: List[int] = (),
-             swizzles: List[int] = (), alternate_k: List[int] = (),
-             l2_partition: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+             swizzles: List[int] = (), alternate_k: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
     (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
     raster / swizzle (-1: the heuristic's) apply to the candidate configurations;
     each store_l2 value (bits: 1 D, 2 aux outputs marked L2 evict-first) and
     each of `swizzles` (the raster walk's band, in clusters) and of
     alternate_k (1: every other tile's k order reversed, as shipped; 0: never)
-    and of l2_partition (1: the partition-aware tile order; 0: CUTLASS's)
     adds the shipped kernels run with it."""
     torch.manual_seed(0)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
@@ -120,8 +118,7 @@ def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
                 lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), c)
     # The shipped kernels under one tuning override each, tagged in the impl.
     settings = ([(f"l2={v}", {"store_l2": v}) for v in store_l2] + [(f"s{v}", {"swizzle": v}) for v in swizzles]
-                + [(f"alt={v}", {"alternate_k": v}) for v in alternate_k]
-                + [(f"l2p={v}", {"l2_partition": v}) for v in l2_partition])
+                + [(f"alt={v}", {"alternate_k": v}) for v in alternate_k])
     for tag, tuning in settings:
         def under(fn, tuning=tuning):
             return _tuned(fn, **tuning)
@@ -168,7 +165,6 @@ def main(argv: List[str]) -> int:
     p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
     p.add_argument("--swizzles", default="", help="comma-separated swizzles (1-8) to probe the shipped kernels with")
     p.add_argument("--alternate-k", default="", help="comma-separated Tuning::alternate_k values (0, 1) to probe too")
-    p.add_argument("--l2-partition", default="", help="comma-separated Tuning::l2_partition values (0, 1) to probe too")
     p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -179,7 +175,7 @@ def main(argv: List[str]) -> int:
     configs = [int(v) for v in args.configs.split(",") if v]
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     found = variants(m, d, f, configs, store_l2=ints(args.store_l2), swizzles=ints(args.swizzles),
-                     alternate_k=ints(args.alternate_k), l2_partition=ints(args.l2_partition))
+                     alternate_k=ints(args.alternate_k))
     cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in found.items()}
     for impls in cases.values():
         for fn in impls.values():
@@ -212,7 +208,6 @@ def main(argv: List[str]) -> int:
             json.dump({"commit": _commit(), "date": date.isoformat(timespec="seconds"),
                        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
                        "shape": {"tokens": m, "hidden": d, "ffn": f}, "timer": "cuda events over each phase",
-                       "l2_partition": json.loads(torch.ops.coda.l2_partition_map(torch.cuda.current_device())),
                        "results": results}, fh, indent=1)
         print("wrote", path)
     return 0

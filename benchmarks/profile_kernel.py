@@ -30,7 +30,6 @@ def main(argv) -> int:
     p.add_argument("--store-l2", default="", help="Tuning::store_l2 values whose variants to add, as power_probe's")
     p.add_argument("--swizzles", default="", help="swizzles whose variants to add, as power_probe's")
     p.add_argument("--alternate-k", default="", help="alternate_k values whose variants to add, as power_probe's")
-    p.add_argument("--l2-partition", default="", help="l2_partition values whose variants to add, as power_probe's")
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=4096)
@@ -42,8 +41,7 @@ def main(argv) -> int:
         return 0
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     cases = variants(args.tokens, args.hidden, args.ffn, ints(args.configs), args.raster, args.swizzle,
-                     ints(args.store_l2), ints(args.swizzles), ints(args.alternate_k),
-                     ints(args.l2_partition))
+                     ints(args.store_l2), ints(args.swizzles), ints(args.alternate_k))
     if args.list or not args.case:
         for case, impls in cases.items():
             for impl in impls:

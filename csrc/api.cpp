@@ -1,6 +1,5 @@
 // The public API: checks the arguments, picks a kernel, runs it.
 #include <cstring>
-#include <algorithm>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -125,17 +124,12 @@ Status check_device() {
 // GELU' and db1), fc1's forward storing H by 0.8%, and changed nothing else.
 constexpr int kAlternateKDefault = 1;
 
-// Whether the GEMMs take their tiles in the partition-aware order
-// (partition_scheduler.cuh). Off until measured.
-constexpr int kL2PartitionDefault = 0;
-
 // A kernel configuration and its tile-scheduler settings.
 struct Choice {
   kernels::Config config = kernels::Config::kCooperative128x256;
   int raster = 0;   // 0: CUTLASS's heuristic, 1: along M, 2: along N
   int swizzle = 1;
   int alternate_k = kAlternateKDefault;
-  int l2_partition = kL2PartitionDefault;
 };
 
 // Tuning overrides (benchmark sweeps) win over the heuristics.
@@ -145,7 +139,6 @@ Choice apply_tuning(Choice c) {
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
   if (t.alternate_k >= 0) c.alternate_k = t.alternate_k;
-  if (t.l2_partition >= 0) c.l2_partition = t.l2_partition;
   return c;
 }
 
@@ -163,7 +156,6 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
   p.raster = choice.raster;
   p.swizzle = choice.swizzle;
   p.alternate_k = choice.alternate_k;
-  p.l2_partition = choice.l2_partition;
   return p;
 }
 
@@ -412,13 +404,6 @@ std::string listed(Configs<Base...>, Configs<Sweep...>) {
   return out;
 }
 }  // namespace
-
-const char* l2_partition_status(int device, int8_t* partition, float* latency) {
-  kernels::L2PartitionReport r = kernels::l2_partition_report(device);
-  if (partition != nullptr) std::copy(std::begin(r.partition), std::end(r.partition), partition);
-  if (latency != nullptr) std::copy(std::begin(r.latency), std::end(r.latency), latency);
-  return r.status;
-}
 
 const char* kernel_configs(const char* op) {
   static const std::string linear = listed(LinearConfigs{}, LinearSweep{});

@@ -16,11 +16,9 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include <string>
-#include <type_traits>
 
 #include "store_l2.hpp"
 #include "error.h"
-#include "partition_scheduler.cuh"
 #include "kernels.h"
 
 namespace coda::kernels {
@@ -41,8 +39,7 @@ struct TileConfig;
 // own counts, see EpilogueRecipe).
 using EpilogueTileAuto = cutlass::epilogue::collective::EpilogueTileAuto;
 
-template <class Tile, class Cluster, class Scheduler = PartitionScheduler, class EpiTile = EpilogueTileAuto,
-          int EpiStages = 0>
+template <class Tile, class Cluster, class Scheduler = void, class EpiTile = EpilogueTileAuto, int EpiStages = 0>
 struct CooperativeTile {
   using TileShape = Tile;
   using ClusterShape = Cluster;
@@ -51,7 +48,7 @@ struct CooperativeTile {
   static constexpr bool kDirectAux = false;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-  using TileScheduler = Scheduler;  // PartitionScheduler: CUTLASS's persistent one, in a partition-aware order
+  using TileScheduler = Scheduler;  // void: CUTLASS's persistent data-parallel scheduler
 };
 
 // Cooperative, with the two consumer warp groups splitting the tile along N
@@ -65,7 +62,7 @@ struct CooperativeTile {
 // the smem swizzle atom must divide TileN/2: SwizzleTile is what the atom is
 // chosen for (64x32: 64-byte swizzle, for TileN/2 = 96).
 template <class Tile, class Cluster, class EpiTile, class SwizzleTile = EpiTile, int EpiStages = 1>
-struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, PartitionScheduler, EpiTile, EpiStages> {
+struct CooperativeSplitNTile : CooperativeTile<Tile, Cluster, void, EpiTile, EpiStages> {
   static constexpr bool kSplitN = true;
   using SmemSwizzleTile = SwizzleTile;
 };
@@ -88,7 +85,7 @@ struct PingpongTile {
   static constexpr bool kDirectAux = DirectAux;
   using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-  using TileScheduler = PartitionScheduler;
+  using TileScheduler = void;
 };
 
 using cute::_1;
@@ -128,10 +125,10 @@ struct TileConfig<Config::kCooperative256x128Cluster2x1>
     : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_2, _1, _1>> {};
 template <>
 struct TileConfig<Config::kCooperative128x256Epi16>
-    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, PartitionScheduler, cute::Shape<_128, _16>> {};
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, cute::Shape<_128, _16>> {};
 template <>
 struct TileConfig<Config::kCooperative128x256Epi1Stage>
-    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, PartitionScheduler, EpilogueTileAuto, 1> {};
+    : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>, void, EpilogueTileAuto, 1> {};
 template <>
 struct TileConfig<Config::kSplitN192x192>
     : CooperativeSplitNTile<cute::Shape<_192, _192, _64>, cute::Shape<_2, _1, _1>, cute::Shape<_64, _192>,
@@ -268,6 +265,19 @@ struct MainloopFor<Tile, cutlass::gemm::collective::CollectiveMma<DP, TS, EA, SA
 // and at the power cap each GB read cost ~0.09 J of a 2.3 J kernel. A wave
 // that walks K in the opposite order to the one before it starts on the
 // k-blocks that wave read last, which are the ones still in L2.
+//
+// Tried and removed: a tile order that knows the L2's two partitions. A
+// probe (one block per SM timing lines a reference SM had just read) split
+// the H200's 132 SMs into two groups of 66, TPC pairs, at 273-299 and
+// 359-392 cycles per load: data one SM reads is cached on its partition's
+// side. A persistent scheduler then gave each partition's clusters a
+// contiguous run of every wave's tiles, so that each side holds half the
+// wave's B panels. It changed little (2936fa2 power probe, against cuBLAS's
+// energy): fc2's dgrad 0.996 against 1.002 plain, 1.053 against 1.059 with
+// GELU' and db1; fc1's ping-pong forward 1.015 against 1.013, reading more
+// (2.77 against 2.37 GB, ncu); the MLP forward + backward 20.16 against
+// 20.13 ms interleaved and 20.13 against 20.17 steady. Commit 2936fa2 has
+// the probe (csrc/l2_partition.cu) and the scheduler.
 template <class Base>
 struct AlternatingKMainloop : Base {
   struct Params : Base::Params {
@@ -377,9 +387,6 @@ struct Gemm {
     args.scheduler.raster_order =
         p.raster == 1 ? Raster::AlongM : (p.raster == 2 ? Raster::AlongN : Raster::Heuristic);
     args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
-    if constexpr (std::is_same_v<typename Kernel::TileScheduler, PartitionedTileScheduler>) {
-      args.scheduler.sm_partition = p.l2_partition ? l2_partition_map(device, p.stream) : nullptr;
-    }
     return args;
   }
 

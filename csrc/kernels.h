@@ -99,7 +99,6 @@ struct GemmProblem {
   int raster = 0;   // 0 heuristic, 1 along M, 2 along N
   int swizzle = 1;
   int alternate_k = 0;  // 1: each CTA's odd-numbered tiles load their k-blocks last to first (gemm.cuh)
-  int l2_partition = 0;  // 1: each L2 partition's SMs take a contiguous run of a wave's tiles (partition_scheduler.cuh)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   cudaStream_t stream = nullptr;
@@ -174,25 +173,7 @@ struct NormDgradEpilogue {
   void* dbeta = nullptr;
 };
 
-// ---- small non-GEMM kernels (csrc/column_sum.cu, csrc/norm_kernels.cu, csrc/l2_partition.cu)
-
-// The device table %smid -> L2 partition (0 or 1) that the partition-aware
-// tile order reads, measured on the first call per device (l2_partition.cu);
-// null where the probe found no clear map, where CODA_L2_PARTITION=0, or while
-// `stream` is being captured (the probe synchronizes; it runs on a later call).
-const uint8_t* l2_partition_map(int device, cudaStream_t stream);
-
-// What the probe measured, for logs and tests.
-struct L2PartitionReport {
-  const char* status = "not probed";
-  int sms = 0;
-  float threshold = 0.f;  // cycles; SMs above it read through the other partition
-  float gap = 0.f;        // cycles between the two groups
-  int8_t partition[256] = {};  // per %smid: 0, 1, or -1 (no such SM)
-  float latency[256] = {};     // per %smid: cycles per dependent load of lines the reference SM read
-};
-L2PartitionReport l2_partition_report(int device);
-
+// ---- small non-GEMM kernels (csrc/column_sum.cu, csrc/norm_kernels.cu)
 
 // out[j] = Σ_r partials[r * ld + j] for j < n, rounded to the dtype; on `stream`.
 Status column_sum(DType dtype, const float* partials, int64_t rows, int64_t n, int64_t ld, void* out,

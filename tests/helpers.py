@@ -1,7 +1,5 @@
 """Shared test helpers: error norms, poisoning, random problems."""
 
-import os
-
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -52,12 +50,3 @@ def check_op(op, args) -> None:
     with FakeTensorMode() as mode:
         fake = op(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, args))
     assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], op
-
-
-def restore_test_tuning():
-    """The kernel choice every GPU test runs on: CODA_TEST_TUNING's override
-    ("config,raster,swizzle[,store_l2[,alternate_k[,l2_partition]]]"), or the
-    heuristics'. A test that sets its own calls this when it is done."""
-    tuning = os.environ.get("CODA_TEST_TUNING")
-    values = [int(v) for v in tuning.split(",")] if tuning else []
-    torch.ops.coda.set_tuning(*(values + [-1] * (6 - len(values))))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import coda
 from coda import reference
-from helpers import poison_cuda_allocator, rel_err, restore_test_tuning, within_torch_error
+from helpers import poison_cuda_allocator, rel_err, within_torch_error
 
 pytestmark = pytest.mark.gpu
 
@@ -268,37 +268,3 @@ def test_norm_mlp_module(normalization, seed):
 
     inputs = [x] + [None if p is None else p.detach() for p in params]
     check_against_torch(f"LayerNormMLP {normalization} seed={seed}", fused, ref, inputs, dy, 8 * 512 * 4096 * 2)
-
-
-def test_l2_partition_map_is_reported():
-    """The L2 partition probe runs and reports a map or why there is none."""
-    import json
-    found = json.loads(torch.ops.coda.l2_partition_map(torch.cuda.current_device()))
-    assert found["status"] in ("mapped", "no two clear latency groups", "not every block was resident at once",
-                               "unsupported SM count", "disabled (CODA_L2_PARTITION=0)")
-    if found["status"] == "mapped":
-        assert len(found["smid"]) == torch.cuda.get_device_properties(0).multi_processor_count
-        assert set(found["partition"]) == {0, 1}
-
-
-@pytest.mark.parametrize("m,k,n", [(4096, 1024, 4096), (1000, 1032, 3000)])
-def test_l2_partition_order_changes_no_bits(m, k, n, seed):
-    """The partition-aware tile order permutes which CTA computes a tile, not
-    how: every output (the forward with H, the dgrad with GELU' and db1, the
-    wgrad) is the same bits with it on and off, on both kernel schedules."""
-    x, w, b = rand(m, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, scale=k**-0.5), rand(n, dtype=torch.bfloat16)
-    dy = rand(m, n, dtype=torch.bfloat16)
-    outs = {}
-    for on in (0, 1):
-        torch.ops.coda.set_tuning(-1, -1, -1, -1, -1, on)
-        try:
-            poison_cuda_allocator(4 * m * n * 2)
-            y, h = torch.ops.coda.gemm_linear(x, w, b, None, 1, True)         # ping-pong
-            dx, db = torch.ops.coda.gemm_dgrad(dy, w, x, 1, True)             # cooperative, H = x
-            dw = torch.ops.coda.gemm_wgrad(dy, x)
-            torch.cuda.synchronize()
-            outs[on] = (y, h, dx, db, dw)
-        finally:
-            restore_test_tuning()
-    for name, a, b_ in zip(("y", "h", "dx", "db", "dw"), outs[0], outs[1]):
-        assert torch.equal(a, b_), name

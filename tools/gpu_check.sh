@@ -56,10 +56,6 @@ python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$O
 echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
-step "L2 partition probe"  # which SMs read through which L2 partition (csrc/l2_partition.cu)
-python3 -c "import coda, torch; print(torch.ops.coda.l2_partition_map(0))" > "$OUT/l2_partition.json" 2>&1 || status=1
-head -c 600 "$OUT/l2_partition.json"; echo
-
 # Nsight Compute on each variant in PROFILE_VARIANTS, one report in profile.log.
 run_profile() {
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

@@ -412,34 +412,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gemm_norm_dgrad(
 
 bool device_supported(int64_t device) { return coda::device_supported(static_cast<int>(device)); }
 
-void set_tuning(int64_t config, int64_t raster, int64_t swizzle, int64_t store_l2, int64_t alternate_k,
-                int64_t l2_partition) {
+void set_tuning(int64_t config, int64_t raster, int64_t swizzle, int64_t store_l2, int64_t alternate_k) {
   coda::Tuning t;
   t.config = static_cast<int>(config);
   t.raster = static_cast<int>(raster);
   t.swizzle = static_cast<int>(swizzle);
   t.store_l2 = static_cast<int>(store_l2);
   t.alternate_k = static_cast<int>(alternate_k);
-  t.l2_partition = static_cast<int>(l2_partition);
   coda::set_tuning(t);
-}
-
-// The L2 partition probe's result as JSON: {"status", "smid": [...],
-// "partition": [...], "latency": [...]} over the SMs it found.
-std::string l2_partition_map(int64_t device) {
-  int8_t part[256];
-  float lat[256];
-  std::string status = coda::l2_partition_status(static_cast<int>(device), part, lat);
-  std::string smid, partition, latency;
-  for (int i = 0; i < 256; ++i) {
-    if (lat[i] < 0.f) continue;
-    const char* sep = smid.empty() ? "" : ", ";
-    smid += sep + std::to_string(i);
-    partition += sep + std::to_string(int(part[i]));
-    latency += sep + std::to_string(lat[i]);
-  }
-  return "{\"status\": \"" + status + "\", \"smid\": [" + smid + "], \"partition\": [" + partition +
-         "], \"latency\": [" + latency + "]}";
 }
 
 std::string kernel_configs(const std::string& op) { return coda::kernel_configs(op.c_str()); }
@@ -467,9 +447,7 @@ TORCH_LIBRARY(coda, m) {
         " Tensor c1, Tensor? c2, Tensor? residual_grad, bool want_normalized, bool want_dgamma)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("device_supported(int device) -> bool", &device_supported);
-  m.def("set_tuning(int config, int raster, int swizzle, int store_l2=-1, int alternate_k=-1, int l2_partition=-1)"
-        " -> ()", &set_tuning);
-  m.def("l2_partition_map(int device) -> str", &l2_partition_map);
+  m.def("set_tuning(int config, int raster, int swizzle, int store_l2=-1, int alternate_k=-1) -> ()", &set_tuning);
   m.def("kernel_configs(str op) -> str", &kernel_configs);
 }
 

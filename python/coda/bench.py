@@ -122,7 +122,7 @@ class Runner:
         self.gpu, self.warmup_ms, self.rep_ms, self.rounds = gpu, warmup_ms, rep_ms, rounds
         self.settle_ms, self.steady_rounds = settle_ms, steady_rounds
         self.results: List[Dict] = []
-        # Tuning overrides ({"l2_partition": 1}, ...) the MLP forward + backward
+        # Tuning overrides ({"alternate_k": 0}, ...) the MLP forward + backward
         # also runs under, as impls "coda[key=value,...]" in its interleaved timing.
         self.mlp_variants: List[Dict[str, int]] = []
 
@@ -217,13 +217,12 @@ def _grads(fn, inputs, dy):
 
 
 def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1,
-           store_l2: int = -1, alternate_k: int = -1, l2_partition: int = -1) -> Callable[[], object]:
+           store_l2: int = -1, alternate_k: int = -1) -> Callable[[], object]:
     """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice;
     store_l2: which epilogue stores are marked L2 evict-first, bits 1 D and 2 aux outputs;
-    alternate_k: 1 to load every other tile's k-blocks last to first;
-    l2_partition: 1 to hand each L2 partition's SMs a contiguous run of every wave's tiles)."""
+    alternate_k: 1 to load every other tile's k-blocks last to first)."""
     def run():
-        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k, l2_partition)
+        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k)
         try:
             return fn()
         finally:

@@ -240,27 +240,18 @@ bool device_supported(int device);
 // raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
 // store_l2: which epilogue stores are marked L2 evict-first, as bits (1 the
 // output D, 2 aux outputs such as the saved pre-activation; 0 none);
-// alternate_k: whether a CTA loads the k-blocks of every other tile last to first;
-// l2_partition: whether the SMs of each L2 partition take a contiguous run of
-// every wave's tiles (needs the probe's map; CODA_L2_PARTITION=0 turns it off).
+// alternate_k: whether a CTA loads the k-blocks of every other tile last to first.
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
   int store_l2 = -1;
   int alternate_k = -1;
-  int l2_partition = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
 // The configurations an op ("linear", "norm_linear", "dgrad", "wgrad",
 // "linear_residual", "norm_dgrad", ...) is built in, as "value:name,value:name".
 const char* kernel_configs(const char* op);
-
-// What the L2 partition probe found on `device` (running it if it has not
-// run): "mapped" when the partition-aware order has a map, otherwise why not.
-// partition and latency, when not null, receive 256 entries indexed by %smid
-// (partition -1 and latency -1 where there is no such SM).
-const char* l2_partition_status(int device, int8_t* partition, float* latency);
 
 }  // namespace coda
