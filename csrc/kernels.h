@@ -85,6 +85,11 @@ enum class Config : int {
   // loading H with db1 only 3.444 against 3.461); the third mainloop stage
   // dropped cost the plain dgrad nothing (3.347 against 3.352). Removed
   // after that run (commit c2bc99a has it).
+  // 18 asks whether fc1's ping-pong forward spends more energy per MAC
+  // than cuBLAS's kernel (1.4% plain, 2936fa2 power probe) because its
+  // 128x128 tiles pull ~26 GB a launch through L2 (cuBLAS's 192x192: ~17):
+  // a 2x2 cluster multicasts both operands, halving that.
+  kPingpong128x128Cluster2x2 = 18,  // as 1, 2x2 cluster
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
