@@ -114,9 +114,6 @@ template <>
 struct TileConfig<Config::kPingpong128x128Cluster2x1>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_2, _1, _1>> {};
 template <>
-struct TileConfig<Config::kPingpong128x128Cluster1>
-    : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>> {};
-template <>
 struct TileConfig<Config::kPingpong128x192Cluster2x1>
     : PingpongTile<cute::Shape<_128, _192, _64>, cute::Shape<_2, _1, _1>> {};
 template <>

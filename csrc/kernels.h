@@ -85,14 +85,14 @@ enum class Config : int {
   // loading H with db1 only 3.444 against 3.461); the third mainloop stage
   // dropped cost the plain dgrad nothing (3.347 against 3.352). Removed
   // after that run (commit c2bc99a has it).
-  // 18 was 1 with a 2x2 cluster (both operands multicast), asking whether
-  // fc1's forward spends more energy per MAC than cuBLAS's kernel because
-  // its 128x128 tiles pull ~26 GB a launch through L2 (cuBLAS's 192x192:
-  // ~17). It halved nothing (20.7 GB) and spent more: 1.073 of cuBLAS's
-  // energy plain against 1 (2x1, 5) 1.031 and the shipped 1x2 1.001, at
-  // 1.075x the cycles (d38d046 power probe; the GPU tests passed forced onto
-  // it). Removed after that run. 19 asks the other way: no cluster.
-  kPingpong128x128Cluster1 = 19,  // as 1, 1x1 cluster
+  // 18 and 19 were 1 with a 2x2 cluster (both operands multicast) and with
+  // none, asking whether fc1's forward spends more energy per MAC than
+  // cuBLAS's kernel because its 128x128 tiles pull ~26 GB a launch through
+  // L2 (cuBLAS's 192x192: ~17). Neither helped. The 2x2 cluster moved 20.7
+  // GB, not half, and spent 1.073 of cuBLAS's energy plain, at 1.075x the
+  // cycles; 2x1 (5) spent 1.031 and the shipped 1x2 1.001 in the same run
+  // (d38d046 power probe). No cluster spent 1.011 against 1.004 (bba157b).
+  // The GPU tests passed forced onto each; both were removed after their runs.
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
