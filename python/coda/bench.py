@@ -288,10 +288,11 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
     r.time(case, "cublas", six_gemms, fl, with_kernels=True)
     r.time(case, "eager", _grads(eager_mlp, params, dy), fl)
     r.time(case, "compile", _grads(compile_mlp, params, dy), fl, with_kernels=True)
-    variants = {"coda[" + ",".join(f"{k}={v}" for k, v in t.items()) + "]":
-                _tuned(_grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), **t) for t in r.mlp_variants}
-    r.interleaved(case, {"coda": _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy), "cublas": six_gemms,
-                         "compile": _grads(compile_mlp, params, dy), **variants}, fl, steady=True)
+    coda_step = _grads(lambda *p: coda.ops.mlp(*p, activation=gelu), params, dy)
+    variants = {"coda[" + ",".join(f"{k}={v}" for k, v in t.items()) + "]": _tuned(coda_step, **t)
+                for t in r.mlp_variants}
+    r.interleaved(case, {"coda": coda_step, "cublas": six_gemms, "compile": _grads(compile_mlp, params, dy),
+                         **variants}, fl, steady=True)
 
 
 def _liger_rmsnorm():
