@@ -387,6 +387,12 @@ struct Gemm {
     args.scheduler.raster_order =
         p.raster == 1 ? Raster::AlongM : (p.raster == 2 ? Raster::AlongN : Raster::Heuristic);
     args.scheduler.max_swizzle_size = p.swizzle > 0 ? p.swizzle : 1;
+    if constexpr (std::is_same_v<typename Tile::TileScheduler, cutlass::gemm::StreamKScheduler>) {
+      // Stream-K always: CUTLASS's heuristic runs data-parallel wherever the
+      // last wave is at least half full, the 15.5 waves of the MLP's K-large
+      // GEMMs among them. Deterministic reduction (the scheduler's default).
+      args.scheduler.decomposition_mode = Kernel::TileScheduler::DecompositionMode::StreamK;
+    }
     return args;
   }
 

@@ -23,7 +23,12 @@ enum class Config : int {
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
   // Candidates that only a sweep build holds (-DCODA_SWEEP_CONFIGS=ON), for
   // the measurements that decide which configurations the library ships.
-  kCooperativeStreamK128x256 = 2,  // as 0, with CUTLASS's stream-K scheduler (heuristic decomposition)
+  // 2: the ab7e44d sweep ran it with CUTLASS's heuristic decomposition, which
+  // is data-parallel wherever the last wave is at least half full (2048
+  // tiles on 132 SMs: 15.5 waves). It now always splits: the last two waves'
+  // tiles are shared along K by every CTA, so no SM idles in a half-empty
+  // last wave.
+  kCooperativeStreamK128x256 = 2,  // as 0, with CUTLASS's stream-K scheduler, stream-K decomposition
   kCooperative128x256Cluster1 = 3,  // as 0, 1x1 cluster
   kCooperative256x128 = 4,          // 256x128x64 tile, 1x2 cluster, cooperative
   kPingpong128x128Cluster2x1 = 5,   // as 1, 2x1 cluster

@@ -12,9 +12,10 @@
 # --sweep builds the candidate configurations too (CODA_SWEEP_CONFIGS) and
 # runs the GPU tests, the norm ops' per-kernel breakdown and the sweep, each
 # candidate checked against the default configuration's output before it is timed.
-# There SWEEP_TESTS=0 / SWEEP_BREAKDOWN=0 leave those steps out, and
+# There SWEEP_TESTS=0 / SWEEP_BREAKDOWN=0 leave those steps out,
 # CODA_TEST_TUNING="config,raster,swizzle ..." runs the GPU tests once more
-# per override, on the kernels it picks.
+# per override, on the kernels it picks, before anything is timed, and
+# BENCH_ARGS runs coda.bench with them before the sweep.
 # --sweep-shipped builds only the shipped kernels and runs only the sweep
 # (SWIZZLES, SWEEP_ARGS): raster and swizzle choices need no other build.
 # --power builds them and runs only benchmarks/power_probe.py (clock and
@@ -117,26 +118,33 @@ if [ "$QUICK" = "--sweep" ]; then
     CODA_TEST_TUNING= CODA_ERRORS_JSON="$OUT/errors.json" python3 -m pytest tests -q -rs > "$OUT/tests.log" 2>&1 || status=1
     tail -8 "$OUT/tests.log"
   fi
+  # Every GPU test again on the kernels each override picks (space-separated),
+  # before any timing: a candidate that computes something else, or hangs
+  # (a stream-K variant once did; TUNED_TIMEOUT kills it), is not worth timing.
+  for tuning in ${CODA_TEST_TUNING:-}; do
+    step "GPU tests with tuning $tuning"
+    first=${tuning%%,*}
+    if [ "$first" -ge 0 ] 2>/dev/null; then tag=c$first; else tag=t$(echo "$tuning" | tr ',' '_' | sed 's/-1/x/g'); fi
+    CODA_TEST_TUNING=$tuning CODA_ERRORS_JSON="$OUT/errors-tuned-$tag.json" timeout -k 10 ${TUNED_TIMEOUT:-240} \
+      python3 -m pytest tests -q -rs > "$OUT/tests-tuned-$tag.log" 2>&1 || status=1
+    tail -4 "$OUT/tests-tuned-$tag.log"
+  done
   if [ "${SWEEP_BREAKDOWN:-1}" != 0 ]; then
     step "per-kernel breakdown of the norm ops"
     python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
     grep -E "^  " "$OUT/breakdown.log" | tail -40
   fi
+  if [ -n "${BENCH_ARGS:-}" ]; then  # e.g. "--only mlp --mlp-variant stream_k=1": a candidate in the whole step
+    step "benchmarks ($BENCH_ARGS)"
+    timeout -k 10 ${BENCH_TIMEOUT:-300} python3 -m coda.bench --out "$OUT" $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
+    grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
+  fi
   step "kernel-configuration sweep"
-  # A candidate that hangs (a stream-K variant once did) is killed; the
-  # results file holds every case finished before it.
+  # A candidate that hangs is killed; the results file holds every case
+  # finished before it.
   timeout -k 10 ${SWEEP_TIMEOUT:-300} python3 -m coda.bench --only-sweep --rep-ms 100 --warmup-ms 25 --out "$OUT" \
     ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1 || status=1
   tail -120 "$OUT/sweep.log"
-  # Every GPU test again on the kernels each override picks (space-separated),
-  # after the sweep, which checks each candidate's output against the default's.
-  for tuning in ${CODA_TEST_TUNING:-}; do
-    step "GPU tests with tuning $tuning"
-    tag=${tuning%%,*}
-    CODA_TEST_TUNING=$tuning CODA_ERRORS_JSON="$OUT/errors-tuned-c$tag.json" python3 -m pytest tests -q -rs \
-      > "$OUT/tests-tuned-c$tag.log" 2>&1 || status=1
-    tail -4 "$OUT/tests-tuned-c$tag.log"
-  done
   step "done, status $status"
   exit $status
 fi
