@@ -139,9 +139,6 @@ Choice apply_tuning(Choice c) {
   if (t.raster >= 0) c.raster = t.raster;
   if (t.swizzle > 0) c.swizzle = t.swizzle;
   if (t.alternate_k >= 0) c.alternate_k = t.alternate_k;
-  if (t.stream_k == 1 && c.config == kernels::Config::kCooperative128x256) {
-    c.config = kernels::Config::kCooperativeStreamK128x256;
-  }
   return c;
 }
 
@@ -279,9 +276,7 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // both fewer L2 bytes) spent more energy than 1 on fc1's forward, not less
 // (power probe at c067b5f: 1.030 and 1.151 cuBLAS's joules plain, against
 // 1.004), and are no longer built.
-// 2 (stream-K, Tuning::stream_k) for the cooperative kernel's last waves.
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux,
-                            C::kCooperativeStreamK128x256>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue. Nsight Compute says why the smem one loses:
@@ -296,8 +291,8 @@ using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPin
 // 1.130x with GELU' and db1 (interleaved), against the cooperative kernel's
 // 0.993x and 1.060x; with the copy of W2 (0.44 ms through torch) the MLP's
 // forward + backward took 20.68 ms against 19.88. It was removed after that run.
-using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kCooperativeStreamK128x256>;
-using WgradSweep = Configs<C::kCooperative128x256, C::kCooperativeStreamK128x256>;
+using DgradSweep = Configs<C::kCooperative128x256, C::kPingpong128x128>;
+using WgradSweep = OneConfig;
 // The norm fold's kernels are bf16 only: their with_kernel calls pass bf16.
 using NormLinearConfigs = LinearConfigs;
 using ResidualConfigs = LinearConfigs;

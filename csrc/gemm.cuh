@@ -391,6 +391,7 @@ struct Gemm {
       // Stream-K always: CUTLASS's heuristic runs data-parallel wherever the
       // last wave is at least half full, the 15.5 waves of the MLP's K-large
       // GEMMs among them. Deterministic reduction (the scheduler's default).
+      // It lost to data-parallel everywhere it was measured (kernels.h, 2).
       args.scheduler.decomposition_mode = Kernel::TileScheduler::DecompositionMode::StreamK;
     }
     return args;

@@ -23,11 +23,20 @@ enum class Config : int {
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
   // Candidates that only a sweep build holds (-DCODA_SWEEP_CONFIGS=ON), for
   // the measurements that decide which configurations the library ships.
-  // 2: the ab7e44d sweep ran it with CUTLASS's heuristic decomposition, which
-  // is data-parallel wherever the last wave is at least half full (2048
-  // tiles on 132 SMs: 15.5 waves). It now always splits: the last two waves'
-  // tiles are shared along K by every CTA, so no SM idles in a half-empty
-  // last wave.
+  // 2 asked whether the last wave's idle SMs cost time: four of the MLP's
+  // six GEMMs run 2048 tiles of 128x256 on 132 SMs, 15.5 waves, and fc2's
+  // dgrad 62.06. CUTLASS's heuristic decomposition is data-parallel wherever
+  // the last wave is at least half full (so the ab7e44d sweep timed 0's
+  // schedule there); built with stream-K always (gemm.cuh), the tiles past
+  // the last full wave but one were shared along K by every CTA. It lost
+  // everywhere (10b2e8a run, paired with cuBLAS, raster 1 / 2): fc1's dgrad
+  // 1.036 / 1.015 against 0.998 / 0.969, fc2's wgrad 1.022 / 1.023 against
+  // 0.979 / 0.993, fc1's wgrad 1.013 / 1.021 against 0.980 / 0.988, fc2's
+  // dgrad with GELU' and db1 1.058 / 1.077 against 1.063 / 1.040; the MLP
+  // forward + backward 20.67 against 19.86 ms interleaved, 20.58 against
+  // 20.23 steady. At the power cap a half-empty last wave costs no time:
+  // the clock makes up for it, and the split tiles' fixup is extra work.
+  // The GPU tests passed on it (189). No longer built.
   kCooperativeStreamK128x256 = 2,  // as 0, with CUTLASS's stream-K scheduler, stream-K decomposition
   kCooperative128x256Cluster1 = 3,  // as 0, 1x1 cluster
   kCooperative256x128 = 4,          // 256x128x64 tile, 1x2 cluster, cooperative

@@ -20,7 +20,7 @@ def gpu_skip_reason():
 
 
 def pytest_sessionstart(session):
-    # CODA_TEST_TUNING="config,raster,swizzle[,store_l2[,alternate_k[,stream_k]]]" runs every GPU test
+    # CODA_TEST_TUNING="config,raster,swizzle[,store_l2[,alternate_k]]" runs every GPU test
     # on the kernels a tuning override picks (a sweep build's candidates among
     # them), so a candidate meets the same checks before it ships.
     tuning = os.environ.get("CODA_TEST_TUNING")

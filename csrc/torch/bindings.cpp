@@ -412,15 +412,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gemm_norm_dgrad(
 
 bool device_supported(int64_t device) { return coda::device_supported(static_cast<int>(device)); }
 
-void set_tuning(int64_t config, int64_t raster, int64_t swizzle, int64_t store_l2, int64_t alternate_k,
-                int64_t stream_k) {
+void set_tuning(int64_t config, int64_t raster, int64_t swizzle, int64_t store_l2, int64_t alternate_k) {
   coda::Tuning t;
   t.config = static_cast<int>(config);
   t.raster = static_cast<int>(raster);
   t.swizzle = static_cast<int>(swizzle);
   t.store_l2 = static_cast<int>(store_l2);
   t.alternate_k = static_cast<int>(alternate_k);
-  t.stream_k = static_cast<int>(stream_k);
   coda::set_tuning(t);
 }
 
@@ -449,8 +447,7 @@ TORCH_LIBRARY(coda, m) {
         " Tensor c1, Tensor? c2, Tensor? residual_grad, bool want_normalized, bool want_dgamma)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("device_supported(int device) -> bool", &device_supported);
-  m.def("set_tuning(int config, int raster, int swizzle, int store_l2=-1, int alternate_k=-1, int stream_k=-1)"
-        " -> ()", &set_tuning);
+  m.def("set_tuning(int config, int raster, int swizzle, int store_l2=-1, int alternate_k=-1) -> ()", &set_tuning);
   m.def("kernel_configs(str op) -> str", &kernel_configs);
 }
 

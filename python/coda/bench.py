@@ -217,13 +217,12 @@ def _grads(fn, inputs, dy):
 
 
 def _tuned(fn: Callable[[], object], config: int = -1, raster: int = -1, swizzle: int = -1,
-           store_l2: int = -1, alternate_k: int = -1, stream_k: int = -1) -> Callable[[], object]:
+           store_l2: int = -1, alternate_k: int = -1) -> Callable[[], object]:
     """fn with a tuning override (set_tuning: kernel_configs' values, -1 the heuristic's choice;
     store_l2: which epilogue stores are marked L2 evict-first, bits 1 D and 2 aux outputs;
-    alternate_k: 1 to load every other tile's k-blocks last to first;
-    stream_k: 1 to run the cooperative kernel's stream-K twin where it is built)."""
+    alternate_k: 1 to load every other tile's k-blocks last to first)."""
     def run():
-        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k, stream_k)
+        torch.ops.coda.set_tuning(config, raster, swizzle, store_l2, alternate_k)
         try:
             return fn()
         finally:

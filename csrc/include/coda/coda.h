@@ -240,16 +240,13 @@ bool device_supported(int device);
 // raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
 // store_l2: which epilogue stores are marked L2 evict-first, as bits (1 the
 // output D, 2 aux outputs such as the saved pre-activation; 0 none);
-// alternate_k: whether a CTA loads the k-blocks of every other tile last to first;
-// stream_k: 1 runs what would run on the cooperative 128x256 kernel on its
-// stream-K twin where that is built (the last waves' tiles split along K).
+// alternate_k: whether a CTA loads the k-blocks of every other tile last to first.
 struct Tuning {
   int config = -1;
   int raster = -1;
   int swizzle = -1;
   int store_l2 = -1;
   int alternate_k = -1;
-  int stream_k = -1;
 };
 void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
 Tuning get_tuning();
