@@ -21,7 +21,7 @@
 # --power builds them and runs only benchmarks/power_probe.py (clock and
 # power per GEMM variant); POWER_SWEEP=1 builds the sweep's candidates too,
 # for POWER_ARGS="--configs 15" and the like; POWER_TESTS=1 runs the GPU
-# tests before it and PROFILE_VARIANTS the profile below after it.
+# tests before it, PROFILE_VARIANTS the profile below and BENCH_ARGS coda.bench after it.
 # --profile builds as --power does and runs Nsight Compute on each variant
 # named in PROFILE_VARIANTS ("case:impl;case:impl", benchmarks/profile_kernel.py
 # --list names them; PROFILE_CONFIGS adds candidates, PROFILE_RASTER sets their
@@ -91,6 +91,11 @@ if [ "$QUICK" = "--power" ]; then
   python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
   cat "$OUT/power.log"
   [ -n "${PROFILE_VARIANTS:-}" ] && run_profile  # then Nsight Compute, as --profile
+  if [ -n "${BENCH_ARGS:-}" ]; then  # and coda.bench, e.g. "--only mlp --mlp-variant swizzle=4"
+    step "benchmarks ($BENCH_ARGS)"
+    timeout -k 10 ${BENCH_TIMEOUT:-300} python3 -m coda.bench --out "$OUT" $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
+    grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
+  fi
   step "done, status $status"
   exit $status
 fi
