@@ -168,6 +168,8 @@ kernels::GemmProblem problem(const Choice& choice, int64_t m, int64_t n, int64_t
 // K-large ones (fc2) run best cooperative. Every dgrad measured ran best
 // cooperative, ping-pong 1-12% slower (so only the cooperative one is built). Swizzle 8 was best or within noise
 // everywhere (4 tied, 2 and 1 lost by up to 27% in the 18d5dc5 sweep); raster order moved times by up to 12%.
+// In energy 4 and 2 lost as well (f105437 power probe: fc1's forward 1.029 and 1.074 of cuBLAS's against 1.005,
+// fc2's dgrad 1.020 and 1.043 against 1.001), as did 16 and 32 (e1f9d23).
 //
 // K = N (o-proj, 4096 -> 4096) runs best ping-pong too, paired with cuBLAS
 // in the 097adc2 sweep: linear + bias + residual 1.003x against 1.039x
