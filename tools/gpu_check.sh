@@ -57,6 +57,14 @@ python3 setup.py -q build_ext --inplace >> "$OUT/gpu.log" 2>&1 || { tail -50 "$O
 echo "built in $((SECONDS - start)) s"
 grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 
+# coda.bench with BENCH_ARGS, killed after BENCH_TIMEOUT seconds (a hung
+# candidate leaves the rest of the call its time).
+run_bench() {
+  step "benchmarks ${BENCH_ARGS:-}"
+  timeout -k 10 ${BENCH_TIMEOUT:-540} python3 -m coda.bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || status=1
+  grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
+}
+
 # Nsight Compute on each variant in PROFILE_VARIANTS, one report in profile.log.
 run_profile() {
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -91,11 +99,8 @@ if [ "$QUICK" = "--power" ]; then
   python3 benchmarks/power_probe.py --out "$OUT" ${POWER_ARGS:-} > "$OUT/power.log" 2>&1 || status=1
   cat "$OUT/power.log"
   [ -n "${PROFILE_VARIANTS:-}" ] && run_profile  # then Nsight Compute, as --profile
-  if [ -n "${BENCH_ARGS:-}" ]; then  # and coda.bench, e.g. "--only mlp --mlp-variant swizzle=4"
-    step "benchmarks ($BENCH_ARGS)"
-    timeout -k 10 ${BENCH_TIMEOUT:-300} python3 -m coda.bench --out "$OUT" $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
-    grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
-  fi
+  # and coda.bench, e.g. BENCH_ARGS="--only mlp --mlp-variant swizzle=4"
+  [ -n "${BENCH_ARGS:-}" ] && run_bench
   step "done, status $status"
   exit $status
 fi
@@ -139,11 +144,8 @@ if [ "$QUICK" = "--sweep" ]; then
     python3 -m coda.bench --only breakdown --rep-ms 100 --warmup-ms 25 --out "$OUT/breakdown" > "$OUT/breakdown.log" 2>&1 || status=1
     grep -E "^  " "$OUT/breakdown.log" | tail -40
   fi
-  if [ -n "${BENCH_ARGS:-}" ]; then  # e.g. "--only mlp --mlp-variant stream_k=1": a candidate in the whole step
-    step "benchmarks ($BENCH_ARGS)"
-    timeout -k 10 ${BENCH_TIMEOUT:-300} python3 -m coda.bench --out "$OUT" $BENCH_ARGS > "$OUT/bench.log" 2>&1 || status=1
-    grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
-  fi
+  # e.g. BENCH_ARGS="--only mlp --mlp-variant key=value": a candidate in the whole step
+  [ -n "${BENCH_ARGS:-}" ] && run_bench
   step "kernel-configuration sweep"
   # A candidate that hangs is killed; the results file holds every case
   # finished before it.
@@ -167,9 +169,7 @@ cmake --build "$CODA_BUILD_DIR" --target coda > "$OUT/cpp.log" 2>&1 &&
   LD_LIBRARY_PATH="$ROOT/build/install/lib:$ROOT/build/install/lib64:${LD_LIBRARY_PATH:-}" build/example/linear_gelu 2>&1 | tee -a "$OUT/cpp.log" ||
   { status=1; tail -20 "$OUT/cpp.log"; }
 
-step "benchmarks"
-python3 -m coda.bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 || status=1
-grep -A200 "^case " "$OUT/bench.log" || tail -30 "$OUT/bench.log"
+run_bench
 if [ "$QUICK" != "--quick" ]; then
   step "kernel-configuration sweep"
   # SWEEP_ARGS narrows it (--sweep-cases, --sweep-configs); candidates need
