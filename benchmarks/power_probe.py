@@ -162,6 +162,8 @@ def main(argv: List[str]) -> int:
     p.add_argument("--configs", default="",
                    help="comma-separated kernel configuration values (kernel_configs) to probe too, "
                         "each where the op is built in it (a sweep build has more)")
+    p.add_argument("--raster", type=int, default=-1,
+                   help="raster order of the --configs candidates (1 along M, 2 along N; -1 the heuristic's)")
     p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
     p.add_argument("--swizzles", default="", help="comma-separated swizzles (1-8) to probe the shipped kernels with")
     p.add_argument("--alternate-k", default="", help="comma-separated Tuning::alternate_k values (0, 1) to probe too")
@@ -174,7 +176,7 @@ def main(argv: List[str]) -> int:
     m, d, f = args.tokens, args.hidden, args.ffn
     configs = [int(v) for v in args.configs.split(",") if v]
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
-    found = variants(m, d, f, configs, store_l2=ints(args.store_l2), swizzles=ints(args.swizzles),
+    found = variants(m, d, f, configs, raster=args.raster, store_l2=ints(args.store_l2), swizzles=ints(args.swizzles),
                      alternate_k=ints(args.alternate_k))
     cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in found.items()}
     for impls in cases.values():

@@ -107,6 +107,12 @@ enum class Config : int {
   // cycles; 2x1 (5) spent 1.031 and the shipped 1x2 1.001 in the same run
   // (d38d046 power probe). No cluster spent 1.011 against 1.004 (bba157b).
   // The GPU tests passed forced onto each; both were removed after their runs.
+  // 20: fc1's ping-pong forward with each warp group's tile 64x256 (one
+  // m64n256 wgmma per k-step, where 128x128 issues two m64n128 that read B
+  // twice): 17% fewer smem bytes per MAC at the same L2 bytes, with a 2x1
+  // cluster multicasting B. Run along N, B is the streamed operand, as A is
+  // for the shipped 1x2 cluster along M. Does smem traffic cost it energy?
+  kPingpong64x256Cluster2x1 = 20,  // 64x256x64 tile, 2x1 cluster, ping-pong
 };
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
