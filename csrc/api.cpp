@@ -278,8 +278,7 @@ using LinearConfigs = Configs<C::kCooperative128x256, C::kPingpong128x128>;
 // both fewer L2 bytes) spent more energy than 1 on fc1's forward, not less
 // (power probe at c067b5f: 1.030 and 1.151 cuBLAS's joules plain, against
 // 1.004), and are no longer built.
-using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux,
-                            C::kPingpong64x256Cluster2x1>;
+using LinearSweep = Configs<C::kCooperative128x256, C::kPingpong128x128, C::kPingpong128x128DirectAux>;
 // Ping-pong dgrad: lost on every shape measured, K = N too (097adc2); without
 // smem for H (15) fc2's dgrad ran 1.54x cuBLAS (8d81d04): the direct load's
 // latency stalls the epilogue. Nsight Compute says why the smem one loses:
@@ -386,7 +385,6 @@ const char* config_name(Config c) {
     case Config::kSplitN192x192: return "splitn_192x192_2x1";
     case Config::kSplitN320x128: return "splitn_320x128_1x2";
     case Config::kPingpong128x128DirectAux: return "pingpong_128x128_1x2_direct_aux";
-    case Config::kPingpong64x256Cluster2x1: return "pingpong_64x256_2x1";
   }
   return "unknown";
 }

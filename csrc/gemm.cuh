@@ -140,9 +140,6 @@ template <>
 struct TileConfig<Config::kPingpong128x128Epi64>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, cute::Shape<_64, _64>> {};
 template <>
-struct TileConfig<Config::kPingpong64x256Cluster2x1>
-    : PingpongTile<cute::Shape<_64, _256, _64>, cute::Shape<_2, _1, _1>> {};
-template <>
 struct TileConfig<Config::kPingpong128x128DirectAux>
     : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>, EpilogueTileAuto, true> {};
 
