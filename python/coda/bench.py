@@ -295,6 +295,44 @@ def run_cases(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str
                          **variants}, fl, steady=True)
 
 
+def run_max_autotune_case(r: Runner, m: int, d: int, f: int, dtype: torch.dtype, device: str) -> None:
+    """Linear + bias + GELU under torch.compile's max-autotune: Inductor's
+    Triton GEMM templates (the persistent TMA ones too) with the GELU fused
+    into their epilogue, against cuBLAS and its own GEMM, so that the forward
+    target (<= 1.00x the GEMM alone in cuBLAS) is also measured for an open
+    fused implementation on the same GPU. impl "compile", case suffix
+    _max_autotune; the kernel names say whether a fused Triton template won."""
+    torch.manual_seed(0)
+    x = torch.randn(m, d, device=device).to(dtype)
+    w1 = (torch.randn(f, d, device=device) * d**-0.5).to(dtype)
+    b1 = torch.randn(f, device=device).to(dtype)
+
+    def eager_linear(x, w, b):
+        return F.gelu(F.linear(x, w, b), approximate="tanh")
+
+    options = {"max_autotune": True, "triton.cudagraphs": False, "triton.enable_persistent_tma_matmul": True,
+               "max_autotune_gemm_backends": "ATEN,TRITON"}
+    tuned = torch.compile(eager_linear, options=options, dynamic=False)
+    case, fl = f"linear_bias_gelu_fwd_{m}x{d}x{f}_max_autotune", 2.0 * m * d * f
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        try:
+            tuned(x, w1, b1)
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"  {case}: max-autotune failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return
+        print(f"  {case}: compiled and autotuned in {time.perf_counter() - t0:.0f} s", flush=True)
+        gelu = "gelu_tanh"
+        r.time(case, "compile", lambda: tuned(x, w1, b1), fl, with_kernels=True)
+        r.time(case, "cublas", lambda: torch.matmul(x, w1.t()), fl)
+        r.paired(case + "_paired", "compile", lambda: tuned(x, w1, b1), lambda: torch.matmul(x, w1.t()), fl)
+        r.paired(case + "_paired", "coda", lambda: coda.ops.linear(x, w1, b1, gelu), lambda: torch.matmul(x, w1.t()),
+                 fl)
+        r.interleaved(case, {"coda": lambda: coda.ops.linear(x, w1, b1, gelu), "cublas": lambda: torch.matmul(x, w1.t()),
+                             "compile": lambda: tuned(x, w1, b1)}, fl, steady=True)
+
+
 def _liger_rmsnorm():
     """Liger-Kernel's RMSNorm as a function (x, weight, eps), or None where it is not installed."""
     try:
@@ -693,6 +731,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--mlp-variant", action="append", default=[],
                    help="a tuning override (key=value[,key=value], set_tuning's names) the MLP forward + backward "
                         "also runs under in its interleaved timing; repeatable")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="also time linear + bias + GELU under torch.compile's max-autotune (Triton templates, "
+                        "GELU fused), after the other cases")
     p.add_argument("--out", help="write <date>-<device>.json into this folder")
     p.add_argument("--warmup-ms", type=int, default=100)
     p.add_argument("--rep-ms", type=int, default=500)
@@ -756,6 +797,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if gpu and (args.only in (None, "norm", "breakdown") or args.breakdown_cases):
             run_norm_breakdown(r, m, d, f, dtype,
                                args.breakdown_cases.split(",") if args.breakdown_cases else None)
+    if gpu and args.max_autotune and not args.only_sweep:
+        run_max_autotune_case(r, m, d, f, dtype, device)
+        write()
     if gpu and (args.sweep or args.only_sweep):
         run_sweep(r, m, d, f, dtype, tuple(int(s) for s in args.swizzles.split(",")),
                   rasters=tuple(int(s) for s in args.rasters.split(",")), after_case=write,
