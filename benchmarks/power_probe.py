@@ -1,6 +1,6 @@
 """The SM clock and board power while one GEMM variant runs back to back.
 
-    python benchmarks/power_probe.py --out DIR      # writes DIR/<date>-<device>-power.json
+    python benchmarks/power_probe.py --out DIR      # DIR/<date>-<device>-power-<commit>.json
 
 Question it answers: is the cost of an epilogue's extra memory traffic (fc1's
 forward storing H, +2-3% in every breakdown, not hidden by ping-pong, and no
@@ -15,10 +15,6 @@ per launch from them.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import subprocess
 import sys
 import threading
@@ -27,8 +23,10 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+import common
+import gemms
 from coda._activations import GELU_TANH
-from coda.bench import _commit, _configs, _device_slug, _tuned
+from coda.bench import results
 
 
 class Sampler:
@@ -61,73 +59,35 @@ class Sampler:
         self.proc.wait()
 
 
-def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1,
-             swizzle: int = -1, store_l2: List[int] = (),
-             swizzles: List[int] = (), alternate_k: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
+# The variants the probe runs of each breakdown case (gemms.breakdown_cases)
+PROBED = {
+    "fc1_fwd": ("coda[plain]", "coda[bias]", "coda[gelu]", "coda[gelu,save_h]", "coda[c0,plain]"),
+    "fc2_dgrad": ("coda[dgrad]", "coda[dbias]", "coda[dgelu+dbias]"),
+}
+
+
+def variants(m: int, d: int, f: int, configs: List[int] = (), raster: int = -1, swizzle: int = -1,
+             swizzles: List[int] = ()) -> Dict[str, Dict[str, Callable[[], object]]]:
     """{case: {impl: launch}}: the GEMM variants the probe runs, on fresh inputs
     (benchmarks/profile_kernel.py launches one of them for Nsight Compute).
-    raster / swizzle (-1: the heuristic's) apply to the candidate configurations;
-    each store_l2 value (bits: 1 D, 2 aux outputs marked L2 evict-first) and
-    each of `swizzles` (the raster walk's band, in clusters) and of
-    alternate_k (1: every other tile's k order reversed, as shipped; 0: never)
-    adds the shipped kernels run with it."""
-    torch.manual_seed(0)
-    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-    w1 = (torch.randn(f, d, device="cuda") * d**-0.5).to(torch.bfloat16)
-    b1 = torch.randn(f, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-    w2 = (torch.randn(d, f, device="cuda") * f**-0.5).to(torch.bfloat16)
-    h1 = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
-    cases: Dict[str, Dict[str, Callable[[], object]]] = {
-        # fc1's forward: ping-pong as shipped, and the cooperative kernel (0)
-        "fc1_fwd": {
-            "cublas": lambda: torch.matmul(x, w1.t()),
-            "coda[plain]": lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False),
-            "coda[bias]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, 0, False),
-            "coda[gelu]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, False),
-            "coda[gelu,save_h]": lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True),
-            "coda[c0,plain]": _tuned(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), config=0),
-        },
-        # fc2's dgrad (cooperative), plain, with GELU' and db1, and the parts
-        # of that epilogue one by one (as the bench's breakdown)
-        "fc2_dgrad": {
-            "cublas": lambda: torch.matmul(dy, w2),
-            "coda[dgrad]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False),
-            "coda[dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, True),
-            "coda[load_h+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, 0, True),
-            "coda[dgelu]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, False),
-            "coda[dgelu+dbias]": lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True),
-        },
-    }
-    # Candidate configurations, forced through the tuning override; an op
-    # not built in one would silently run its first configuration, so those
-    # are left out.
-    def tuned(fn, c):
-        return _tuned(fn, config=c, raster=raster, swizzle=swizzle)
-
+    `configs` adds candidate configurations (where the program is built in one),
+    with raster / swizzle (-1: the rule's); each of `swizzles` (the raster walk's
+    band, in clusters) adds the shipped kernels run with it."""
+    t = gemms.inputs(m, d, f)
+    found = gemms.breakdown_cases(t)
+    cases = {name: {"cublas": found[name][1], **{impl: found[name][2][impl] for impl in impls}}
+             for name, impls in PROBED.items()}
+    fc1 = {"plain": gemms.linear(t.x, t.w1), "gelu,save_h": gemms.linear(t.x, t.w1, t.b1, None, GELU_TANH, True)}
+    fc2 = {"dgrad": gemms.dgrad(t.dy, t.w2, t.a1), "dgelu+dbias": gemms.dgrad_dbias(t)}
     for c in configs:
-        if c in _configs("linear"):
-            cases["fc1_fwd"][f"coda[c{c},plain]"] = tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False), c)
-            cases["fc1_fwd"][f"coda[c{c},gelu,save_h]"] = tuned(
-                lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True), c)
-        if c in _configs("dgrad"):
-            cases["fc2_dgrad"][f"coda[c{c},dgrad]"] = tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False), c)
-            cases["fc2_dgrad"][f"coda[c{c},dgelu+dbias]"] = tuned(
-                lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True), c)
-    # The shipped kernels under one tuning override each, tagged in the impl.
-    settings = ([(f"l2={v}", {"store_l2": v}) for v in store_l2] + [(f"s{v}", {"swizzle": v}) for v in swizzles]
-                + [(f"alt={v}", {"alternate_k": v}) for v in alternate_k])
-    for tag, tuning in settings:
-        def under(fn, tuning=tuning):
-            return _tuned(fn, **tuning)
-        cases["fc1_fwd"][f"coda[plain,{tag}]"] = under(lambda: torch.ops.coda.gemm_linear(x, w1, None, None, 0, False))
-        cases["fc1_fwd"][f"coda[gelu,save_h,{tag}]"] = under(
-            lambda: torch.ops.coda.gemm_linear(x, w1, b1, None, GELU_TANH, True))
-        cases["fc2_dgrad"][f"coda[dgrad,{tag}]"] = under(lambda: torch.ops.coda.gemm_dgrad(dy, w2, None, 0, False))
-        cases["fc2_dgrad"][f"coda[dgelu+dbias,{tag}]"] = under(
-            lambda: torch.ops.coda.gemm_dgrad(dy, w2, h1, GELU_TANH, True))
+        for case, kernels in (("fc1_fwd", fc1), ("fc2_dgrad", fc2)):
+            for tag, (program, fn) in kernels.items():
+                if c in gemms.configs(program):
+                    cases[case][f"coda[c{c},{tag}]"] = gemms.overridden(fn, c, raster, swizzle)
+    for s in swizzles:
+        for case, kernels in (("fc1_fwd", fc1), ("fc2_dgrad", fc2)):
+            for tag, (_, fn) in kernels.items():
+                cases[case][f"coda[{tag},s{s}]"] = gemms.overridden(fn, swizzle=s)
     return cases
 
 
@@ -153,31 +113,22 @@ def run_phase(fn: Callable[[], object], seconds: float) -> Tuple[float, float, f
 
 
 def main(argv: List[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
+    p = common.parser(__doc__, timed=False)
     p.add_argument("--seconds", type=float, default=4.0, help="per phase, the first second dropped")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", default="",
-                   help="comma-separated kernel configuration values (kernel_configs) to probe too, "
-                        "each where the op is built in it (a sweep build has more)")
+                   help="comma-separated configuration values (kernel_configs) to probe too, "
+                        "each where the program is built in it")
     p.add_argument("--raster", type=int, default=-1,
-                   help="raster order of the --configs candidates (1 along M, 2 along N; -1 the heuristic's)")
-    p.add_argument("--store-l2", default="", help="comma-separated Tuning::store_l2 values to probe too")
+                   help="raster order of the --configs candidates (1 along M, 2 along N; -1 the rule's)")
     p.add_argument("--swizzles", default="", help="comma-separated swizzles (1-8) to probe the shipped kernels with")
-    p.add_argument("--alternate-k", default="", help="comma-separated Tuning::alternate_k values (0, 1) to probe too")
-    p.add_argument("--out", help="write <date>-<device>-power.json into this folder")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        print("power_probe: needs an sm_90 GPU; nothing measured")
+    if not common.gpu_or_say("power_probe"):
         return 0
 
     m, d, f = args.tokens, args.hidden, args.ffn
-    configs = [int(v) for v in args.configs.split(",") if v]
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
-    found = variants(m, d, f, configs, raster=args.raster, store_l2=ints(args.store_l2), swizzles=ints(args.swizzles),
-                     alternate_k=ints(args.alternate_k))
+    found = variants(m, d, f, ints(args.configs), raster=args.raster, swizzles=ints(args.swizzles))
     cases = {f"power_{name}_{m}x{d}x{f}": impls for name, impls in found.items()}
     for impls in cases.values():
         for fn in impls.values():
@@ -185,7 +136,7 @@ def main(argv: List[str]) -> int:
     torch.cuda.synchronize()
 
     sampler = Sampler()
-    results = []
+    rows = []
     try:
         for case, impls in cases.items():
             names = list(impls)
@@ -196,21 +147,16 @@ def main(argv: List[str]) -> int:
                     row = {"case": case, "impl": name, "round": r, "median_ms": ms, "sm_clock_mhz": clock,
                            "power_w": power, "samples": count, "mcycles": ms * clock / 1e3,
                            "joules": ms * power / 1e3, "tflops": 2.0 * m * d * f / ms / 1e9}
-                    results.append(row)
+                    rows.append(row)
                     print(f"  {case} {name:<18} round {r}: {ms:.3f} ms/launch, {clock:.0f} MHz, {power:.0f} W, "
                           f"{row['mcycles']:.3f} Mcycles, {row['joules']:.3f} J ({count} samples)", flush=True)
     finally:
         sampler.stop()
 
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        date = datetime.datetime.now(datetime.timezone.utc)
-        path = os.path.join(args.out, f"{date:%Y-%m-%d}-{_device_slug(torch.cuda.get_device_name())}-power.json")
-        with open(path, "w") as fh:
-            json.dump({"commit": _commit(), "date": date.isoformat(timespec="seconds"),
-                       "device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bfloat16",
-                       "shape": {"tokens": m, "hidden": d, "ffn": f}, "timer": "cuda events over each phase",
-                       "results": results}, fh, indent=1)
+        path = results.write(args.out, "power", {
+            "dtype": "bfloat16", "shape": {"tokens": m, "hidden": d, "ffn": f},
+            "timer": "cuda events over each phase", "results": rows})
         print("wrote", path)
     return 0
 

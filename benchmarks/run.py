@@ -1,8 +1,8 @@
 """Run coda's benchmarks and write the results file into benchmarks/results/.
 
-    python benchmarks/run.py [--sweep]     # same as: python -m coda.bench --out benchmarks/results
+    python benchmarks/run.py [--only mlp ...]   # same as: python -m coda.bench --out benchmarks/results
 
-The cases, baselines and timing method are in python/coda/bench.py.
+The cases, baselines and timing method are in python/coda/bench/.
 """
 
 import os

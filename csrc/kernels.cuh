@@ -1,5 +1,7 @@
-// Definitions of the kernel templates declared in kernels.h. Only the .cu
-// files under kernels/ include this, each instantiating exactly one.
+// The kernels declared in kernels.h: each program's GEMM type and how its
+// arguments, scratch partials and the small merge kernels after it fit
+// together. Only the generated translation units (one per line of
+// kernels/table.def) include this, each instantiating one kernel.
 #pragma once
 
 #include "dact_dbias.hpp"
@@ -16,24 +18,32 @@ namespace coda::kernels {
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
-// CUTLASS's B is (K, N): a row-major (N, K) weight is its column-major B.
-template <DType T, Config C>
-using LinearActGemm = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearAct>;
-// A row-major (K, N) weight is a row-major B: N-major, which wgmma reads transposed.
-template <DType T, Config C>
-using DActDBiasGemm = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBias>;
-// dYᵀ: a row-major (K, M) tensor is a column-major A.
-template <DType T, Config C>
-using WgradGemm = Gemm<T, ColumnMajor, RowMajor, C, epilogues::Store>;
-
-template <DType T, Config C>
-using NormLinearActGemm = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormLinearAct>;
-template <DType T, Config C>
-using LinearResidualStatsGemm = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearResidualStats>;
-template <DType T, Config C>
-using DActRowDotGemm = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBiasRowDot>;
-template <DType T, Config C>
-using NormDgradGemm = Gemm<T, RowMajor, RowMajor, C, epilogues::NormDgrad>;
+// Each program's GEMM. CUTLASS's B is (K, N): a row-major (N, K) weight is
+// its column-major B (the forward); a row-major (K, N) weight is a row-major,
+// N-major B (the dgrad); dYᵀ is a column-major A (the wgrad).
+template <Program P>
+struct ProgramGemm;
+template <> struct ProgramGemm<Program::kLinearAct> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearAct>;
+};
+template <> struct ProgramGemm<Program::kDActDBias> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBias>;
+};
+template <> struct ProgramGemm<Program::kWgradStore> {
+  template <DType T, Config C> using type = Gemm<T, ColumnMajor, RowMajor, C, epilogues::Store>;
+};
+template <> struct ProgramGemm<Program::kNormLinearAct> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormLinearAct>;
+};
+template <> struct ProgramGemm<Program::kLinearResidualStats> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearResidualStats>;
+};
+template <> struct ProgramGemm<Program::kDActRowDot> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBiasRowDot>;
+};
+template <> struct ProgramGemm<Program::kNormDgrad> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::NormDgrad>;
+};
 
 // Carves 256-byte-aligned fp32 buffers out of an op's scratch bytes, or,
 // called with a null base, only counts them (the workspace-size query).
@@ -53,203 +63,174 @@ class Scratch {
   size_t used_ = 0;
 };
 
+// Per program: arguments(...) converts its epilogue's arguments, scratch(...)
+// lays out the fp32 partials of its reductions (and points the arguments at
+// them; a null base only counts the bytes), finish(...) merges them after the
+// GEMM.
+template <Program P, DType T, Config C>
+struct Steps;
+
 template <DType T, Config C>
-Status linear_act(const GemmProblem& p, const LinearActEpilogue& e) {
-  using G = LinearActGemm<T, C>;
+struct Steps<Program::kLinearAct, T, C> {
+  using G = typename ProgramGemm<Program::kLinearAct>::template type<T, C>;
   using E = typename G::Element;
-  typename G::EpilogueProgram::Arguments a;
-  a.bias = static_cast<E const*>(e.bias);
-  a.pre_act = static_cast<E*>(e.pre_act);
-  a.ld_pre_act = e.ld_pre_act;
-  a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-  a.residual = static_cast<E const*>(e.residual);
-  a.ld_residual = e.ld_residual;
-  return with_workspace<G>(p, 0, [&](const GemmProblem& q, char*) { return G::run(q, a); });
-}
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const LinearActEpilogue&, char*, Args*) { return 0; }
+  static Args arguments(const LinearActEpilogue& e) {
+    Args a;
+    a.bias = static_cast<E const*>(e.bias);
+    a.pre_act = static_cast<E*>(e.pre_act);
+    a.ld_pre_act = e.ld_pre_act;
+    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.residual = static_cast<E const*>(e.residual);
+    a.ld_residual = e.ld_residual;
+    return a;
+  }
+  static Status finish(const GemmProblem&, const LinearActEpilogue&, const Args&) { return Status::kSuccess; }
+};
 
 template <DType T, Config C>
-size_t linear_act_workspace(const GemmProblem& p) {
-  return workspace_with<LinearActGemm<T, C>>(p, 0);
-}
-
-// The dbias partials come after what the GEMM needs.
-template <DType T, Config C>
-size_t dact_dbias_partials_bytes(const GemmProblem& p) {
-  using P = typename DActDBiasGemm<T, C>::EpilogueProgram::Partial;
-  return align_up(size_t(P::per_col_floats(p.m, p.n)) * sizeof(float));
-}
+struct Steps<Program::kWgradStore, T, C> {
+  using G = typename ProgramGemm<Program::kWgradStore>::template type<T, C>;
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const StoreEpilogue&, char*, Args*) { return 0; }
+  static Args arguments(const StoreEpilogue&) { return {}; }
+  static Status finish(const GemmProblem&, const StoreEpilogue&, const Args&) { return Status::kSuccess; }
+};
 
 template <DType T, Config C>
-size_t dact_dbias_workspace(const GemmProblem& p) {
-  return workspace_with<DActDBiasGemm<T, C>>(p, dact_dbias_partials_bytes<T, C>(p));
-}
-
-template <DType T, Config C>
-Status dact_dbias(const GemmProblem& p, const DActDBiasEpilogue& e) {
-  using G = DActDBiasGemm<T, C>;
+struct Steps<Program::kDActDBias, T, C> {
+  using G = typename ProgramGemm<Program::kDActDBias>::template type<T, C>;
   using E = typename G::Element;
-  using P = typename G::EpilogueProgram::Partial;
-  const size_t extra = e.dbias != nullptr ? dact_dbias_partials_bytes<T, C>(p) : 0;
-  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
-    typename G::EpilogueProgram::Arguments a;
+  using Args = typename G::EpilogueProgram::Arguments;
+  using Partial = typename G::EpilogueProgram::Partial;
+  static size_t scratch(const GemmProblem& p, const DActDBiasEpilogue& e, char* base, Args* a) {
+    Scratch s(base);
+    float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbias != nullptr);
+    if (a != nullptr) a->dbias_partials = db;
+    return s.used();
+  }
+  static Args arguments(const DActDBiasEpilogue& e) {
+    Args a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
     a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-    a.dbias_partials = e.dbias != nullptr ? reinterpret_cast<float*>(scratch) : nullptr;
-    Status s = G::run(q, a);
-    if (s == Status::kSuccess && e.dbias != nullptr) {
-      s = column_sum(T, a.dbias_partials, P::tiles_m(p.m), p.n, P::cols_padded(p.n), e.dbias, p.stream);
-    }
-    return s;
-  });
-}
+    return a;
+  }
+  static Status finish(const GemmProblem& p, const DActDBiasEpilogue& e, const Args& a) {
+    if (e.dbias == nullptr) return Status::kSuccess;
+    return column_sum(T, a.dbias_partials, Partial::tiles_m(p.m), p.n, Partial::cols_padded(p.n), e.dbias, p.stream);
+  }
+};
 
 template <DType T, Config C>
-Status wgrad_store(const GemmProblem& p) {
-  using G = WgradGemm<T, C>;
-  return with_workspace<G>(p, 0, [&](const GemmProblem& q, char*) { return G::run(q, {}); });
-}
-
-template <DType T, Config C>
-size_t wgrad_store_workspace(const GemmProblem& p) {
-  return workspace_with<WgradGemm<T, C>>(p, 0);
-}
-
-// ---- the norm-folding GEMMs
-
-template <DType T, Config C>
-Status norm_linear_act(const GemmProblem& p, const NormLinearEpilogue& e) {
-  using G = NormLinearActGemm<T, C>;
+struct Steps<Program::kNormLinearAct, T, C> {
+  using G = typename ProgramGemm<Program::kNormLinearAct>::template type<T, C>;
   using E = typename G::Element;
-  typename G::EpilogueProgram::Arguments a;
-  a.mean = e.mean;
-  a.rstd = e.rstd;
-  a.col_sum = e.col_sum;
-  a.shift = e.shift;
-  a.pre_act = static_cast<E*>(e.pre_act);
-  a.ld_pre_act = e.ld_pre_act;
-  a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-  return with_workspace<G>(p, 0, [&](const GemmProblem& q, char*) { return G::run(q, a); });
-}
-
-template <DType T, Config C>
-size_t norm_linear_act_workspace(const GemmProblem& p) {
-  return workspace_with<NormLinearActGemm<T, C>>(p, 0);
-}
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const NormLinearEpilogue&, char*, Args*) { return 0; }
+  static Args arguments(const NormLinearEpilogue& e) {
+    Args a;
+    a.mean = e.mean;
+    a.rstd = e.rstd;
+    a.rstd_limit = e.rstd_limit;
+    a.col_sum = e.col_sum;
+    a.shift = e.shift;
+    a.pre_act = static_cast<E*>(e.pre_act);
+    a.ld_pre_act = e.ld_pre_act;
+    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    return a;
+  }
+  static Status finish(const GemmProblem&, const NormLinearEpilogue&, const Args&) { return Status::kSuccess; }
+};
 
 // Σy and Σy² per row and N-tile, then mean / rstd.
 template <DType T, Config C>
-size_t linear_residual_stats_scratch(const GemmProblem& p, const LinearResidualStatsEpilogue& e, char* base,
-                                     typename LinearResidualStatsGemm<T, C>::EpilogueProgram::Arguments* a) {
-  using P = typename LinearResidualStatsGemm<T, C>::EpilogueProgram::Partial;
-  Scratch s(base);
-  float* sum = s.take(P::per_row_floats(p.m, p.n), e.layernorm);
-  float* sumsq = s.take(P::per_row_floats(p.m, p.n));
-  if (a != nullptr) {
-    a->sum_partials = sum;
-    a->sumsq_partials = sumsq;
-  }
-  return s.used();
-}
-
-template <DType T, Config C>
-size_t linear_residual_stats_workspace(const GemmProblem& p, const LinearResidualStatsEpilogue& e) {
-  using G = LinearResidualStatsGemm<T, C>;
-  return workspace_with<G>(p, linear_residual_stats_scratch<T, C>(p, e, nullptr, nullptr));
-}
-
-template <DType T, Config C>
-Status linear_residual_stats(const GemmProblem& p, const LinearResidualStatsEpilogue& e) {
-  using G = LinearResidualStatsGemm<T, C>;
+struct Steps<Program::kLinearResidualStats, T, C> {
+  using G = typename ProgramGemm<Program::kLinearResidualStats>::template type<T, C>;
   using E = typename G::Element;
-  using P = typename G::EpilogueProgram::Partial;
-  const size_t extra = linear_residual_stats_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
-    typename G::EpilogueProgram::Arguments a;
+  using Args = typename G::EpilogueProgram::Arguments;
+  using Partial = typename G::EpilogueProgram::Partial;
+  static size_t scratch(const GemmProblem& p, const LinearResidualStatsEpilogue& e, char* base, Args* a) {
+    Scratch s(base);
+    float* sum = s.take(Partial::per_row_floats(p.m, p.n), e.layernorm);
+    float* sumsq = s.take(Partial::per_row_floats(p.m, p.n));
+    if (a != nullptr) {
+      a->sum_partials = sum;
+      a->sumsq_partials = sumsq;
+    }
+    return s.used();
+  }
+  static Args arguments(const LinearResidualStatsEpilogue& e) {
+    Args a;
     a.bias = static_cast<E const*>(e.bias);
     a.residual = static_cast<E const*>(e.residual);
     a.ld_residual = e.ld_residual;
-    linear_residual_stats_scratch<T, C>(p, e, scratch, &a);
-    Status s = G::run(q, a);
-    if (s != Status::kSuccess) return s;
-    return row_partials_stats(a.sum_partials, a.sumsq_partials, P::tiles_n(p.n), P::rows_padded(p.m), p.m, p.n,
-                              e.eps, e.layernorm ? e.mean : nullptr, e.rstd, p.stream);
-  });
-}
-
-template <DType T, Config C>
-size_t dact_rowdot_scratch(const GemmProblem& p, const DActRowDotEpilogue& e, char* base,
-                           typename DActRowDotGemm<T, C>::EpilogueProgram::Arguments* a) {
-  using P = typename DActRowDotGemm<T, C>::EpilogueProgram::Partial;
-  Scratch s(base);
-  float* c1 = s.take(P::per_row_floats(p.m, p.n), e.c1 != nullptr);
-  float* c2 = s.take(P::per_row_floats(p.m, p.n), e.c2 != nullptr);
-  float* db = s.take(P::per_col_floats(p.m, p.n), e.dbias != nullptr);
-  if (a != nullptr) {
-    a->c1_partials = c1;
-    a->c2_partials = c2;
-    a->dbias_partials = db;
+    return a;
   }
-  return s.used();
-}
+  static Status finish(const GemmProblem& p, const LinearResidualStatsEpilogue& e, const Args& a) {
+    return row_partials_stats(a.sum_partials, a.sumsq_partials, Partial::tiles_n(p.n), Partial::rows_padded(p.m), p.m,
+                              p.n, e.eps, e.mean, e.rstd, p.stream);
+  }
+};
 
 template <DType T, Config C>
-size_t dact_rowdot_workspace(const GemmProblem& p, const DActRowDotEpilogue& e) {
-  return workspace_with<DActRowDotGemm<T, C>>(p, dact_rowdot_scratch<T, C>(p, e, nullptr, nullptr));
-}
-
-template <DType T, Config C>
-Status dact_rowdot(const GemmProblem& p, const DActRowDotEpilogue& e) {
-  using G = DActRowDotGemm<T, C>;
+struct Steps<Program::kDActRowDot, T, C> {
+  using G = typename ProgramGemm<Program::kDActRowDot>::template type<T, C>;
   using E = typename G::Element;
-  using P = typename G::EpilogueProgram::Partial;
-  const size_t extra = dact_rowdot_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
-    typename G::EpilogueProgram::Arguments a;
+  using Args = typename G::EpilogueProgram::Arguments;
+  using Partial = typename G::EpilogueProgram::Partial;
+  static size_t scratch(const GemmProblem& p, const DActRowDotEpilogue& e, char* base, Args* a) {
+    Scratch s(base);
+    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.c1 != nullptr);
+    float* c2 = s.take(Partial::per_row_floats(p.m, p.n), e.c2 != nullptr);
+    float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbias != nullptr);
+    if (a != nullptr) {
+      a->c1_partials = c1;
+      a->c2_partials = c2;
+      a->dbias_partials = db;
+    }
+    return s.used();
+  }
+  static Args arguments(const DActRowDotEpilogue& e) {
+    Args a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
     a.activation = static_cast<epilogues::ActivationKind>(e.activation);
     a.shift = e.shift;
     a.col_sum = e.col_sum;
-    dact_rowdot_scratch<T, C>(p, e, scratch, &a);
-    Status s = G::run(q, a);
-    const int64_t tiles = P::tiles_n(p.n), ld = P::rows_padded(p.m);
-    if (s == Status::kSuccess && e.c1 != nullptr) s = row_partials_sum(a.c1_partials, tiles, ld, p.m, e.scale, e.c1, p.stream);
+    return a;
+  }
+  static Status finish(const GemmProblem& p, const DActRowDotEpilogue& e, const Args& a) {
+    const int64_t tiles = Partial::tiles_n(p.n), ld = Partial::rows_padded(p.m);
+    Status s = Status::kSuccess;
+    if (e.c1 != nullptr) s = row_partials_sum(a.c1_partials, tiles, ld, p.m, e.scale, e.c1, p.stream);
     if (s == Status::kSuccess && e.c2 != nullptr) s = row_partials_sum(a.c2_partials, tiles, ld, p.m, e.scale, e.c2, p.stream);
     if (s == Status::kSuccess && e.dbias != nullptr) {
-      s = column_sum(T, a.dbias_partials, P::tiles_m(p.m), p.n, P::cols_padded(p.n), e.dbias, p.stream);
+      s = column_sum(T, a.dbias_partials, Partial::tiles_m(p.m), p.n, Partial::cols_padded(p.n), e.dbias, p.stream);
     }
     return s;
-  });
-}
-
-template <DType T, Config C>
-size_t norm_dgrad_scratch(const GemmProblem& p, const NormDgradEpilogue& e, char* base,
-                          typename NormDgradGemm<T, C>::EpilogueProgram::Arguments* a) {
-  using P = typename NormDgradGemm<T, C>::EpilogueProgram::Partial;
-  Scratch s(base);
-  float* dg = s.take(P::per_col_floats(p.m, p.n), e.dgamma != nullptr);
-  float* db = s.take(P::per_col_floats(p.m, p.n), e.dbeta != nullptr);
-  if (a != nullptr) {
-    a->dgamma_partials = dg;
-    a->dbeta_partials = db;
   }
-  return s.used();
-}
+};
 
 template <DType T, Config C>
-size_t norm_dgrad_workspace(const GemmProblem& p, const NormDgradEpilogue& e) {
-  return workspace_with<NormDgradGemm<T, C>>(p, norm_dgrad_scratch<T, C>(p, e, nullptr, nullptr));
-}
-
-template <DType T, Config C>
-Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e) {
-  using G = NormDgradGemm<T, C>;
+struct Steps<Program::kNormDgrad, T, C> {
+  using G = typename ProgramGemm<Program::kNormDgrad>::template type<T, C>;
   using E = typename G::Element;
-  using P = typename G::EpilogueProgram::Partial;
-  const size_t extra = norm_dgrad_scratch<T, C>(p, e, nullptr, nullptr);
-  return with_workspace<G>(p, extra, [&](const GemmProblem& q, char* scratch) {
-    typename G::EpilogueProgram::Arguments a;
+  using Args = typename G::EpilogueProgram::Arguments;
+  using Partial = typename G::EpilogueProgram::Partial;
+  static size_t scratch(const GemmProblem& p, const NormDgradEpilogue& e, char* base, Args* a) {
+    Scratch s(base);
+    float* dg = s.take(Partial::per_col_floats(p.m, p.n), e.dgamma != nullptr);
+    float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbeta != nullptr);
+    if (a != nullptr) {
+      a->dgamma_partials = dg;
+      a->dbeta_partials = db;
+    }
+    return s.used();
+  }
+  static Args arguments(const NormDgradEpilogue& e) {
+    Args a;
     a.x = static_cast<E const*>(e.x);
     a.ld_x = e.ld_x;
     a.mean = e.mean;
@@ -262,31 +243,38 @@ Status norm_dgrad(const GemmProblem& p, const NormDgradEpilogue& e) {
     a.ld_residual_grad = e.ld_residual_grad;
     a.normalized = static_cast<E*>(e.normalized);
     a.ld_normalized = e.ld_normalized;
-    norm_dgrad_scratch<T, C>(p, e, scratch, &a);
-    Status s = G::run(q, a);
-    const int64_t tiles = P::tiles_m(p.m), ld = P::cols_padded(p.n);
-    if (s == Status::kSuccess && e.dgamma != nullptr) s = column_sum(T, a.dgamma_partials, tiles, p.n, ld, e.dgamma, p.stream);
+    return a;
+  }
+  static Status finish(const GemmProblem& p, const NormDgradEpilogue& e, const Args& a) {
+    const int64_t tiles = Partial::tiles_m(p.m), ld = Partial::cols_padded(p.n);
+    Status s = Status::kSuccess;
+    if (e.dgamma != nullptr) s = column_sum(T, a.dgamma_partials, tiles, p.n, ld, e.dgamma, p.stream);
     if (s == Status::kSuccess && e.dbeta != nullptr) s = column_sum(T, a.dbeta_partials, tiles, p.n, ld, e.dbeta, p.stream);
     return s;
+  }
+};
+
+template <Program P, DType T, Config C>
+size_t workspace(const GemmProblem& p, const Epilogue<P>& e) {
+  using S = Steps<P, T, C>;
+  return workspace_with<typename S::G>(p, S::scratch(p, e, nullptr, nullptr));
+}
+
+template <Program P, DType T, Config C>
+Status launch(const GemmProblem& p, const Epilogue<P>& e) {
+  using S = Steps<P, T, C>;
+  const size_t extra = S::scratch(p, e, nullptr, nullptr);
+  return with_workspace<typename S::G>(p, extra, [&](const GemmProblem& q, char* scratch) {
+    auto a = S::arguments(e);
+    S::scratch(p, e, scratch, &a);
+    Status s = S::G::run(q, a);
+    return s == Status::kSuccess ? S::finish(p, e, a) : s;
   });
 }
 
 }  // namespace coda::kernels
 
-// One instantiation of an op's kernel and its workspace query, for the .cu
-// files that a sweep build generates (CMakeLists.txt, CODA_SWEEP_CONFIGS).
-#define CODA_INSTANTIATE_linear_act(T, C)                                                  \
-  template Status linear_act<T, C>(const GemmProblem&, const LinearActEpilogue&); \
-  template size_t linear_act_workspace<T, C>(const GemmProblem&);
-#define CODA_INSTANTIATE_dact_dbias(T, C)                                                  \
-  template Status dact_dbias<T, C>(const GemmProblem&, const DActDBiasEpilogue&); \
-  template size_t dact_dbias_workspace<T, C>(const GemmProblem&);
-#define CODA_INSTANTIATE_wgrad_store(T, C)                    \
-  template Status wgrad_store<T, C>(const GemmProblem&); \
-  template size_t wgrad_store_workspace<T, C>(const GemmProblem&);
-#define CODA_INSTANTIATE_linear_residual_stats(T, C)                                                     \
-  template Status linear_residual_stats<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&); \
-  template size_t linear_residual_stats_workspace<T, C>(const GemmProblem&, const LinearResidualStatsEpilogue&);
-#define CODA_INSTANTIATE_norm_dgrad(T, C)                                                  \
-  template Status norm_dgrad<T, C>(const GemmProblem&, const NormDgradEpilogue&); \
-  template size_t norm_dgrad_workspace<T, C>(const GemmProblem&, const NormDgradEpilogue&);
+// The explicit instantiation of one line of kernels/table.def.
+#define CODA_KERNEL(P, T, C)                                                                                      \
+  template Status launch<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);     \
+  template size_t workspace<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);

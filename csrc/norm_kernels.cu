@@ -230,6 +230,7 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
     const Vec8<T> out = row_dots8<T, K>(g, hv, tv, sv, a1, a2, unused);
     if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
   }
+  if (c1 == nullptr) return;  // block-uniform
   a1 = block_sum(a1, shared);
   a2 = block_sum(a2, shared);
   if (threadIdx.x == 0) {
@@ -258,51 +259,58 @@ __global__ void __launch_bounds__(kThreads, 2) norm_row_dots_bias_kernel(
   __shared__ float columns[kDotsWarps][kDotsCols];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t col0 = int64_t(blockIdx.x) * kDotsCols + lane * 8;
-  const int64_t row0 = int64_t(blockIdx.y) * kDotsRows;
-  float db[kDotsVecs][8] = {};
-  for (int i = 0; i < kDotsRows / kDotsWarps; ++i) {
-    const int64_t r = row0 + warp + int64_t(i) * kDotsWarps;
-    if (r >= m) break;  // warp-uniform
-    Vec8<T> g[kDotsVecs], hv[kDotsVecs];
+  const int64_t strips = (m + kDotsRows - 1) / kDotsRows;
+  // grid.y is at most 65535 strips of 64 rows: larger problems loop.
+  for (int64_t strip = blockIdx.y; strip < strips; strip += gridDim.y) {
+    const int64_t row0 = strip * kDotsRows;
+    float db[kDotsVecs][8] = {};
+    for (int i = 0; i < kDotsRows / kDotsWarps; ++i) {
+      const int64_t r = row0 + warp + int64_t(i) * kDotsWarps;
+      if (r >= m) break;  // warp-uniform
+      Vec8<T> g[kDotsVecs], hv[kDotsVecs] = {};
 #pragma unroll
-    for (int q = 0; q < kDotsVecs; ++q) {  // all loads of the row first
-      const int64_t j = col0 + q * 256;
-      if (j < n) {  // n is a multiple of 8
-        g[q] = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
-        hv[q] = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+      for (int q = 0; q < kDotsVecs; ++q) {  // all loads of the row first
+        const int64_t j = col0 + q * 256;
+        if (j < n) {  // n is a multiple of 8
+          g[q] = *reinterpret_cast<const Vec8<T>*>(dy + r * lddy + j);
+          if (h != nullptr) hv[q] = *reinterpret_cast<const Vec8<T>*>(h + r * ldh + j);
+        }
+      }
+      float a1 = 0.f, a2 = 0.f;
+#pragma unroll
+      for (int q = 0; q < kDotsVecs; ++q) {
+        const int64_t j = col0 + q * 256;
+        if (j >= n) continue;
+        float tv[8] = {}, sv[8] = {};
+        if (shift != nullptr) load8(shift + j, tv);  // L1-resident: every row reads them
+        if (c2_partials != nullptr) load8(col_sum + j, sv);
+        const Vec8<T> out = row_dots8<T, K>(g[q], hv[q], tv, sv, a1, a2, db[q]);
+        if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+      }
+      if (c1_partials != nullptr) {
+        a1 = warp_sum(a1);
+        a2 = warp_sum(a2);
+        if (lane == 0) {
+          c1_partials[int64_t(blockIdx.x) * m + r] = a1;
+          if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
+        }
       }
     }
-    float a1 = 0.f, a2 = 0.f;
 #pragma unroll
     for (int q = 0; q < kDotsVecs; ++q) {
-      const int64_t j = col0 + q * 256;
-      if (j >= n) continue;
-      float tv[8] = {}, sv[8] = {};
-      if (shift != nullptr) load8(shift + j, tv);  // L1-resident: every row reads them
-      if (c2_partials != nullptr) load8(col_sum + j, sv);
-      const Vec8<T> out = row_dots8<T, K>(g[q], hv[q], tv, sv, a1, a2, db[q]);
-      if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) columns[warp][q * 256 + lane * 8 + e] = db[q][e];
     }
-    a1 = warp_sum(a1);
-    a2 = warp_sum(a2);
-    if (lane == 0) {
-      c1_partials[int64_t(blockIdx.x) * m + r] = a1;
-      if (c2_partials != nullptr) c2_partials[int64_t(blockIdx.x) * m + r] = a2;
+    __syncthreads();
+    for (int c = threadIdx.x; c < kDotsCols; c += kThreads) {
+      const int64_t col = int64_t(blockIdx.x) * kDotsCols + c;
+      if (col >= n) break;
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kDotsWarps; ++w) sum += columns[w][c];
+      dbias_partials[strip * n + col] = sum;
     }
-  }
-#pragma unroll
-  for (int q = 0; q < kDotsVecs; ++q) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) columns[warp][q * 256 + lane * 8 + e] = db[q][e];
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < kDotsCols; c += kThreads) {
-    const int64_t col = int64_t(blockIdx.x) * kDotsCols + c;
-    if (col >= n) break;
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kDotsWarps; ++w) sum += columns[w][c];
-    dbias_partials[int64_t(blockIdx.y) * n + col] = sum;
+    __syncthreads();  // `columns` is rewritten by the next strip
   }
 }
 
@@ -345,7 +353,7 @@ Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream) {
   return with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     row_stats_kernel<T><<<blocks_for(a.m, kRowsPerBlock), kRowThreads, 0, stream>>>(
-        static_cast<const T*>(a.x), a.ldx, a.m, a.n, a.mean != nullptr, a.eps, a.mean, a.rstd);
+        static_cast<const T*>(a.x), a.ldx, a.m, a.n, a.layernorm, a.eps, a.mean, a.rstd);
     return launched("row_stats");
   });
 }
@@ -365,7 +373,7 @@ RowDotsScratch row_dots_scratch(const NormRowDotsArgs& a) {
   if (a.dbias == nullptr) return s;
   s.chunks = (a.n + kDotsCols - 1) / kDotsCols;
   s.strips = (a.m + kDotsRows - 1) / kDotsRows;
-  s.c1_bytes = align256(sizeof(float) * s.chunks * a.m);
+  s.c1_bytes = a.c1 != nullptr ? align256(sizeof(float) * s.chunks * a.m) : 0;
   s.c2_bytes = a.c2 != nullptr ? s.c1_bytes : 0;
   s.dbias_bytes = align256(sizeof(float) * s.strips * a.n);
   return s;
@@ -382,7 +390,7 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
   }
   const RowDotsScratch s = row_dots_scratch(a);
   char* base = static_cast<char*>(scratch);
-  float* c1p = reinterpret_cast<float*>(base);
+  float* c1p = a.c1 != nullptr ? reinterpret_cast<float*>(base) : nullptr;
   float* c2p = a.c2 != nullptr ? reinterpret_cast<float*>(base + s.c1_bytes) : nullptr;
   float* dbp = reinterpret_cast<float*>(base + s.c1_bytes + s.c2_bytes);
   Status st = with_type(dtype, [&](auto tag) {
@@ -393,10 +401,11 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
       const T* h = static_cast<const T*>(a.pre_act);
       T* dp = static_cast<T*>(a.dp);
       if (a.dbias == nullptr) {
+        if (K == epilogues::ActivationKind::kIdentity && a.c1 == nullptr) return Status::kSuccess;  // dP is dY
         norm_row_dots_kernel<T, K><<<static_cast<unsigned>(a.m), kThreads, 0, stream>>>(
             dy, a.lddy, h, a.ld_pre_act, a.n, a.shift, a.col_sum, a.scale, dp, a.lddp, a.c1, a.c2);
       } else {
-        dim3 grid(static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.strips));
+        dim3 grid(static_cast<unsigned>(s.chunks), static_cast<unsigned>(s.strips < 65535 ? s.strips : 65535));
         norm_row_dots_bias_kernel<T, K><<<grid, kThreads, 0, stream>>>(dy, a.lddy, h, a.ld_pre_act, a.m, a.n, a.shift,
                                                                       a.col_sum, dp, a.lddp, c1p, c2p, dbp);
       }
@@ -412,7 +421,7 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
     }
   });
   if (a.dbias == nullptr) return st;
-  if (st == Status::kSuccess) st = row_partials_sum(c1p, s.chunks, a.m, a.m, a.scale, a.c1, stream);
+  if (st == Status::kSuccess && c1p != nullptr) st = row_partials_sum(c1p, s.chunks, a.m, a.m, a.scale, a.c1, stream);
   if (st == Status::kSuccess && c2p != nullptr) st = row_partials_sum(c2p, s.chunks, a.m, a.m, a.scale, a.c2, stream);
   if (st == Status::kSuccess) st = column_sum(dtype, dbp, s.strips, a.n, a.n, a.dbias, stream);
   return st;

@@ -44,6 +44,7 @@ struct NormLinearAct {
   struct Arguments {
     float const* mean = nullptr;       // (M) or null (RMSNorm)
     float const* rstd = nullptr;       // (M)
+    float rstd_limit = __builtin_huge_valf();  // constant rows at and above it (NormAffine)
     float const* col_sum = nullptr;    // (N) s = Σ_k W̃[n, k], or null (RMSNorm)
     float const* shift = nullptr;      // (N) t = W·β + b, or null
     Element* pre_act = nullptr;        // (M, N) H, or null
@@ -60,7 +61,7 @@ struct NormLinearAct {
                 {a.rstd, 1.f, {}},                     // rstd[m]
                 {a.col_sum, 0.f, {}},                  // s[n]
                 {a.shift, 0.f, {}},                    // t[n]
-                {}},
+                {a.rstd_limit}},
             {a.pre_act, P::matrix(a.ld_pre_act)}},                          // store_H
         {a.activation}};                               // act
   }

@@ -46,12 +46,23 @@ CUTLASS_DEVICE T elementwise(Fn const& fn, Ts const&... in) {
 
 // rstd ⊙ (acc − mean ⊙ s) + t: the folded norm's affine map on the accumulator.
 // The subtraction happens on the fp32 accumulator, before any rounding, so the
-// large terms of rows with |mean| ≫ std cancel at fp32 precision.
+// large terms of rows with |mean| ≫ std cancel at fp32 precision. Rows whose
+// rstd reaches rstd_limit are constant (variance below 2⁻¹⁹·eps): their x̂ is
+// 0, so H = t, where the fold would multiply the fp32 rounding of two large
+// sums by up to 1/sqrt(eps). RMSNorm subtracts nothing: its limit is +inf.
+struct NormAffineArguments {
+  float rstd_limit = __builtin_huge_valf();
+};
+
 template <class T>
 struct NormAffine {
-  CUTLASS_DEVICE T operator()(T const& acc, T const& mean, T const& rstd, T const& s, T const& t) const {
-    return detail::elementwise<T>([](float a, float mu, float r, float s_, float t_) { return r * (a - mu * s_) + t_; },
-                                  acc, mean, rstd, s, t);
+  using Arguments = NormAffineArguments;
+  CUTLASS_DEVICE T operator()(T const& acc, T const& mean, T const& rstd, T const& s, T const& t,
+                              Arguments const& args) const {
+    const float limit = args.rstd_limit;
+    return detail::elementwise<T>(
+        [limit](float a, float mu, float r, float s_, float t_) { return r < limit ? r * (a - mu * s_) + t_ : t_; },
+        acc, mean, rstd, s, t);
   }
 };
 

@@ -20,6 +20,35 @@
 
 namespace coda::epilogues {
 
+// A per-row broadcast whose rows past the problem's edge hold the node's
+// default. Sm90ColBroadcast copies its vector with a predicate into a
+// register buffer it never initializes, so those rows held whatever the
+// registers did, and the norm's dγ (a sum over M of acc ⊙ x̂, x̂ built from
+// mean and rstd) summed 0 · garbage for M % 128 != 0.
+template <class Base>
+struct ZeroOutsideRows : Base {
+  using Base::Base;
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    using Inner = decltype(Base::template get_consumer_store_callbacks<ReferenceSrc>(args));
+    struct Callbacks : Inner {
+      CUTLASS_DEVICE explicit Callbacks(Inner&& inner) : Inner(static_cast<Inner&&>(inner)) {}
+      CUTLASS_DEVICE void begin() {
+        Inner::begin();
+        // The same pairing of coordinates and registers as Base's copy.
+        auto coords = cute::filter_zeros(this->tCcCol, this->tCgCol.stride());
+        auto values = cute::filter_zeros(this->tCrCol);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < cute::size(values); ++i) {
+          if (!cute::elem_less(coords(i), this->residue_tCcCol)) values(i) = this->params.null_default;
+        }
+      }
+    };
+    return Callbacks(Base::template get_consumer_store_callbacks<ReferenceSrc>(args));
+  }
+};
+
 template <class Element_, class EpilogueDescriptor>
 struct Primitives {
   using Element = Element_;
@@ -33,8 +62,7 @@ struct Primitives {
   using Partial = Partials<TileShape>;
 
   // The smem of the aux tensors, as CUTLASS's Aux{Load,Store}Descriptor
-  // would choose it, except that the swizzle atom is the descriptor's (see
-  // CooperativeSplitNTile in gemm.cuh).
+  // would choose it.
   using StrideMN = cutlass::detail::TagToStrideC_t<Layout>;  // (M, N) row-major with a leading dimension
   using SmemLayoutAtom = typename EpilogueDescriptor::SmemLayoutAtom;
   struct LoadDesc {
@@ -58,42 +86,31 @@ struct Primitives {
   // Fn<Array<float, N>> applied to the children, converted to Out.
   template <template <class> class Fn, class Out = ElementCompute>
   using Compute = cutlass::epilogue::fusion::Sm90Compute<Fn, Out, ElementCompute, Round>;
-  // An (M, N) tensor in Element, through smem or, with 0 stages, straight
-  // into registers (null: the default value, no loads).
+  // An (M, N) tensor in Element, through smem (null: the default value, no loads).
   using Load = cutlass::epilogue::fusion::Sm90AuxLoad<LoadDesc::Stages, EpilogueTile, Element, StrideMN,
                                                       typename LoadDesc::SmemLayoutAtom, typename LoadDesc::CopyOpS2R,
                                                       kAlignment>;
   // The child's value, also written as an (M, N) Element tensor (null: not
-  // written): through smem with an L2-hinted TMA store (store_l2.hpp), or
-  // with 0 stages straight from registers.
-  template <int Stages>
-  using StoreWith = std::conditional_t<
-      Stages == 0,
-      cutlass::epilogue::fusion::Sm90AuxStore<0, EpilogueTile, Element, Round, StrideMN,
-                                              typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S,
-                                              kAlignment>,
-      AuxStoreL2<Stages, EpilogueTile, Element, Round, StrideMN,
-                 typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment>>;
-  using Store = StoreWith<StoreDesc::Stages>;
+  // written), through smem with an L2-hinted TMA store (store_l2.hpp).
+  using Store = AuxStoreL2<StoreDesc::Stages, EpilogueTile, Element, Round, StrideMN,
+                           typename StoreDesc::SmemLayoutAtom, typename StoreDesc::CopyOpR2S, kAlignment>;
   // Per-row / per-column vectors (null: the default value).
-  using PerRowF32 = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>;
+  using PerRowF32 = ZeroOutsideRows<
+      cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float, StrideColVec, kAlignmentF32>>;
   using PerColF32 = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float, StrideRowVec, kAlignmentF32>;
   using PerCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element, float, StrideRowVec, kAlignment>;
   // Sums of the child over this tile's columns (one per row) / rows (one per
   // column), fp32, into Partial's buffers; RegReduce folds one value in
   // (square_and_plus: Σ y²). Null: skipped. The child's value passes through.
   //
-  // Every element of the tile is summed, without comparing its coordinates
-  // to the problem's edge (VisitCheckOOB false): in every program here the
-  // reduced value is 0 outside the problem. The accumulator is (TMA fills A
-  // and B there with zeros), aux loads are zero-filled by TMA too, the
-  // broadcasts fill their defaults (finite, 0 for an added bias), and each
-  // reduced value is the accumulator times finite factors or the accumulator
-  // plus such zero-filled terms. A new program must keep that. The
-  // comparisons are per element, in the epilogue of a cooperative kernel,
-  // which its MMAs wait for: with them the bias gradient cost fc2's dgrad
-  // 2.6% (9c4b1cb breakdown, interleaved: 3.340 ms against 3.254 plain),
-  // without them 0-1.4% (2946200, cded72b).
+  // Every element of the tile is summed without comparing its coordinates to
+  // the problem's edge (VisitCheckOOB false): the comparisons are per element
+  // in an epilogue the cooperative kernel's MMAs wait for, and cost fc2's
+  // dgrad 2.6% with the bias gradient. So every reduced value must be 0
+  // outside the problem: the accumulator is (TMA fills A and B there with
+  // zeros), aux loads are zero-filled by TMA, PerCol broadcasts fill their
+  // defaults there and PerRowF32 (ZeroOutsideRows) does; a new program keeps
+  // its reduced values products or sums of those.
   template <template <class> class RegReduce = cutlass::plus>
   using ReduceN = cutlass::epilogue::fusion::Sm90ColReduction<
       RegReduce, cutlass::plus, cutlass::plus, 0, TileShape, ElementCompute, ElementCompute, Round, StrideColVec,

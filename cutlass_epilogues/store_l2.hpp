@@ -121,7 +121,7 @@ struct AuxStoreL2 {
     if (!p.is_nullptr) {
       auto tensor = cute::make_tensor(args.ptr_aux, cute::make_layout(cute::make_shape(M, N, L), args.dAux));
       p.tma = cute::make_tma_copy(TmaStoreL2{}, tensor, SmemLayoutTma{});
-      p.tma.cache_hint_ = store_l2_policy().aux.load(std::memory_order_relaxed);
+      p.tma.cache_hint_ = kStoreL2Aux;
     }
     return p;
   }

@@ -19,42 +19,55 @@ def gpu_skip_reason():
     return None
 
 
-def pytest_sessionstart(session):
-    # CODA_TEST_TUNING="config,raster,swizzle[,store_l2[,alternate_k]]" runs every GPU test
-    # on the kernels a tuning override picks (a sweep build's candidates among
-    # them), so a candidate meets the same checks before it ships.
-    tuning = os.environ.get("CODA_TEST_TUNING")
-    if tuning and _kernels.available():
-        torch.ops.coda.set_tuning(*(int(v) for v in tuning.split(",")))
+# Where the GPU check runs (CODA_REQUIRE_GPU=1, tools/gpu_check.sh), a GPU
+# test that cannot run fails: the check must not pass by skipping.
+REQUIRE_GPU = os.environ.get("CODA_REQUIRE_GPU") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
     reason = gpu_skip_reason()
-    if reason is None:
+    if reason is None or REQUIRE_GPU:
         return
-    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_setup(item):
+    if REQUIRE_GPU and "gpu" in item.keywords:
+        reason = gpu_skip_reason()
+        if reason is not None:
+            pytest.fail(f"CODA_REQUIRE_GPU=1 but {reason}")
+
+
+def pytest_sessionstart(session):
+    # CODA_TEST_TUNING="config,raster,swizzle" runs every GPU test on the
+    # kernels that override picks (a sweep's candidates among them).
+    tuning = os.environ.get("CODA_TEST_TUNING")
+    if tuning and _kernels.available():
+        torch.ops.coda._set_kernel_override(*(int(v) for v in tuning.split(",")))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("CODA_ERRORS_JSON")
-    if not path:
+    # The GPU check keeps every comparison's errors: CODA_ERRORS_DIR gets a
+    # results file named and stamped like the benchmarks' (coda.bench.results).
+    out = os.environ.get("CODA_ERRORS_DIR")
+    if not out:
         return
-    import json
-
+    from coda.bench import results
     from helpers import MEASURED
 
     rows = [{"check": n, "coda_rel_err": e, "torch_rel_err": t} for n, e, t in MEASURED]
     worst = max((e / t for _, e, t in MEASURED if t > 0), default=None)
-    with open(path, "w") as fh:
-        json.dump({"worst_ratio_to_torch": worst, "checks": rows}, fh, indent=1)
+    path = results.write(out, "errors", {"worst_ratio_to_torch": worst, "seed": os.environ.get("CODA_SEED"),
+                                         "checks": rows})
+    print(f"\nerrors of {len(rows)} checks in {path}, worst ratio to torch {worst}")
 
 
 @pytest.fixture
 def seed():
-    """A fresh seed each run (inputs are never the same twice); reported on failure."""
-    s = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed each run (inputs are never the same twice), reported in
+    each check's name; CODA_SEED=N reproduces a failing draw."""
+    s = int(os.environ["CODA_SEED"]) if os.environ.get("CODA_SEED") else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(s)
     return s

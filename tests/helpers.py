@@ -1,4 +1,4 @@
-"""Shared test helpers: error norms, poisoning, random problems."""
+"""Shared test helpers: error norms, poisoning, the launch counters."""
 
 import torch
 import torch.utils._pytree as pytree
@@ -22,7 +22,7 @@ def poison_cuda_allocator(nbytes: int) -> None:
 
 
 # (name, coda's error, torch's error) of every comparison this session; conftest
-# writes them to $CODA_ERRORS_JSON when set (the GPU check keeps them).
+# writes them to a stamped errors file in $CODA_ERRORS_DIR when set (the GPU check keeps them).
 MEASURED = []
 
 
@@ -40,6 +40,16 @@ def within_torch_error(name: str, err: float, torch_err: float, slack: float = 1
         slack += 2.0 / numel**0.5
     bound = slack * torch_err + 1e-7
     assert err <= bound, f"{name}: error {err:.3e} exceeds torch's {torch_err:.3e} (bound {bound:.3e})"
+
+
+def launches() -> dict:
+    from coda import _kernels
+    return _kernels.launch_counts()
+
+
+def launched_since(before: dict) -> dict:
+    """{"program/config": launches} of the kernels that ran since `before`."""
+    return {k: v - before.get(k, 0) for k, v in launches().items() if v > before.get(k, 0)}
 
 
 def check_op(op, args) -> None:

@@ -1,14 +1,15 @@
-"""Tests that run anywhere: the reference path, shapes, errors, op registration,
-autograd and tracing. CI runs these on a machine without a GPU."""
+"""Tests that run anywhere: the reference path, shapes, errors, autocast,
+tracing and the modules. CI runs these on a machine without a GPU."""
 
 import os
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import coda
-from coda import reference
+from coda import _kernels, ops
 from helpers import rel_err
 
 ACTIVATIONS = [None, "gelu_tanh", "gelu", "relu", "silu"]
@@ -39,145 +40,79 @@ def test_extension_built_when_required():
     # CI sets this: a build that produced no loadable extension must fail there.
     if os.environ.get("CODA_REQUIRE_EXTENSION") != "1":
         pytest.skip("CODA_REQUIRE_EXTENSION is not set")
-    assert coda.kernels_available(), coda._kernels.LOAD_ERROR
+    assert coda.kernels_available(), _kernels.LOAD_ERROR
 
 
-def test_kernel_configs_listed():
-    # What a tuning sweep may ask for: "value:name" pairs, the fallback first;
-    # a pip build holds the shipped configurations only.
+def test_kernel_table_is_what_the_library_ships():
+    # kernels/table.def: every program built, bf16 everywhere, the forward in both configurations.
     if not coda.kernels_available():
         pytest.skip("the extension is not built here")
-    for op in ("linear", "norm_linear", "dgrad", "wgrad", "linear_residual", "norm_dgrad"):
-        pairs = [item.split(":") for item in torch.ops.coda.kernel_configs(op).split(",")]
-        assert pairs[0] == ["0", "cooperative_128x256_2x1"], op
-        assert all(v.isdigit() and name for v, name in pairs), op
-    assert [v for v, _ in (i.split(":") for i in torch.ops.coda.kernel_configs("linear").split(","))][:2] == ["0", "1"]
+    built = _kernels.kernels_built()
+    assert set(built) == {"linear_act", "dact_dbias", "wgrad_store", "norm_linear_act", "linear_residual_stats",
+                          "dact_rowdot", "norm_dgrad"}
+    assert built["linear_act"] == {0: "cooperative_128x256_2x1", 1: "pingpong_128x128_1x2"}
+    assert set(_kernels.launch_counts()) >= {"linear_act/pingpong_128x128_1x2"}
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_matches_reference(activation, bias, seed):
     x, w, b = make_linear(13, 24, 40, bias=bias)
-    out = coda.ops.linear(x, w, b, activation)
-    ref = reference.linear_ref(x.double(), w.double(), None if b is None else b.double(), activation)
+    out = ops.linear(x, w, b, activation)
+    ref = ops.linear_reference(x.double(), w.double(), None if b is None else b.double(), activation)
     assert rel_err(out, ref) < 1e-5, seed
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_mlp_matches_reference(activation, seed):
-    x, w1, b1, w2, b2, r = make_mlp(11, 16, 48)
-    out = coda.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
-    ref = reference.mlp_ref(*(t.double() for t in (x, w1, b1, w2, b2)), activation=activation, residual=r.double())
+    x, w1, b1, w2, b2, r = make_mlp(9, 16, 48)
+    out = ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r)
+    ref = ops.mlp_reference(*(t.double() for t in (x, w1, b1, w2, b2)), activation=activation, residual=r.double())
     assert rel_err(out, ref) < 1e-5, seed
 
 
 def test_leading_batch_dims():
-    x = torch.randn(2, 3, 5, 16)
-    w, b = torch.randn(24, 16), torch.randn(24)
-    assert coda.ops.linear(x, w, b, "gelu_tanh").shape == (2, 3, 5, 24)
-    w1, w2 = torch.randn(32, 16), torch.randn(16, 32)
-    r = torch.randn(2, 3, 5, 16)
-    y = coda.ops.mlp(x, w1, None, w2, None, residual=r)
-    assert y.shape == (2, 3, 5, 16)
-    torch.testing.assert_close(y, reference.mlp_ref(x, w1, None, w2, None, residual=r))
+    x, w, b = torch.randn(2, 3, 5, 16), torch.randn(24, 16), torch.randn(24)
+    assert ops.linear(x, w, b, "gelu_tanh").shape == (2, 3, 5, 24)
+    x, w1, w2, r = torch.randn(2, 3, 16), torch.randn(32, 16), torch.randn(16, 32), torch.randn(2, 3, 16)
+    torch.testing.assert_close(ops.mlp(x, w1, None, w2, None, residual=r), ops.mlp_reference(x, w1, None, w2, None,
+                                                                                             residual=r))
 
 
 def test_one_dimensional_input_like_nn_linear():
     x, w, b = torch.randn(16), torch.randn(8, 16), torch.randn(8)
-    torch.testing.assert_close(coda.ops.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b))
 
 
-def test_kernel_size_rule():
-    # Zero or unaligned feature sizes go to the reference path, never to a kernel.
-    assert coda._kernels.sizes_ok([8, 1024, 3000])
-    assert not coda._kernels.sizes_ok([0, 1024])
-    assert not coda._kernels.sizes_ok([1030, 1024])
-
-
-def test_zero_in_features():
+def test_zero_in_features_and_zero_tokens():
     x, w, b = torch.randn(4, 0), torch.randn(8, 0), torch.randn(8)
-    torch.testing.assert_close(coda.ops.linear(x, w, b, "relu"), torch.relu(b).expand(4, 8))
-
-
-def test_zero_tokens():
-    x = torch.randn(0, 16, requires_grad=True)
-    w = torch.randn(8, 16, requires_grad=True)
-    y = coda.ops.linear(x, w, None, "relu")
+    torch.testing.assert_close(ops.linear(x, w, b, "relu"), torch.relu(b).expand(4, 8))
+    y = ops.linear(torch.randn(0, 16), torch.randn(8, 16), None, "relu")
     assert y.shape == (0, 8)
-    y.sum().backward()
-    assert torch.equal(w.grad, torch.zeros_like(w))
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("bias", [True, False])
-def test_linear_gradcheck(activation, bias):
-    x, w, b = make_linear(5, 8, 6, dtype=torch.float64, bias=bias, requires_grad=True)
-    inputs = (x, w) if b is None else (x, w, b)
-    fn = (lambda x, w: coda.ops.linear(x, w, None, activation)) if b is None else \
-        (lambda x, w, b: coda.ops.linear(x, w, b, activation))
-    assert torch.autograd.gradcheck(fn, inputs)
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_mlp_gradcheck(activation):
-    ts = make_mlp(4, 6, 10, dtype=torch.float64, requires_grad=True)
+def test_gradients_through_the_reference_path():
+    ts = [t.double().requires_grad_(True) if t is not None else None for t in make_mlp(4, 6, 10)]
     assert torch.autograd.gradcheck(
-        lambda x, w1, b1, w2, b2, r: coda.ops.mlp(x, w1, b1, w2, b2, activation=activation, residual=r), ts)
-
-
-def test_mlp_gradcheck_no_bias_no_residual():
-    x, w1, _, w2, _, _ = make_mlp(4, 6, 10, dtype=torch.float64, requires_grad=True, residual=False)
-    assert torch.autograd.gradcheck(lambda x, w1, w2: coda.ops.mlp(x, w1, None, w2, None, "silu"), (x, w1, w2))
+        lambda x, w1, b1, w2, b2, r: ops.mlp(x, w1, b1, w2, b2, activation="gelu", residual=r), ts)
 
 
 def test_frozen_weights_get_no_grad():
     x, w1, b1, w2, b2, r = make_mlp(4, 8, 16)
     x.requires_grad_(True)
-    coda.ops.mlp(x, w1, b1, w2, b2, residual=r).sum().backward()
+    ops.mlp(x, w1, b1, w2, b2, residual=r).sum().backward()
     assert x.grad is not None and w1.grad is None and w2.grad is None
 
 
-def test_state_outputs_are_not_differentiable():
-    # Pre-activations and the like are state for the backward: were they
-    # differentiable, autograd would hand the backward zero tensors of their size.
-    x, w1, b1, w2, b2, r = make_mlp(4, 6, 10, requires_grad=True)
-    y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, r, 1, True)
-    assert y.requires_grad and not h1.requires_grad and not a1.requires_grad
-    y, h = torch.ops.coda.linear(x, w1, b1, 1, True)
-    assert y.requires_grad and not h.requires_grad
-    y, mean, rstd = torch.ops.coda.linear_residual(x, w1[:6], b1[:6], x, True, 1e-5)
-    assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
-
-
-def test_opcheck_ops():
-    x, w, b = make_linear(6, 8, 16, requires_grad=True)
-    torch.library.opcheck(torch.ops.coda.linear.default, (x, w, b, 1, True))
-    torch.library.opcheck(torch.ops.coda.linear.default, (x, w, None, 0, True))
-    # inference: nothing saved, nothing to differentiate
-    torch.library.opcheck(torch.ops.coda.linear.default, (x.detach(), w.detach(), None, 2, False))
-    ts = make_mlp(6, 8, 16, requires_grad=True)
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts, 1, True))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*ts[:5], None, 0, True))
-    torch.library.opcheck(torch.ops.coda.mlp.default, (*(t.detach() for t in ts[:5]), None, 3, False))
-    dy = torch.randn(6, 8)
-    x, w1, _, w2, _, _ = (t.detach() for t in ts)
-    h1, a1 = torch.randn(6, 16), torch.randn(6, 16)
-    torch.library.opcheck(torch.ops.coda.mlp_backward.default,
-                          (dy, x, w1, w2, h1, a1, 1, True, True, True, True, True))
-    torch.library.opcheck(torch.ops.coda.linear_backward.default,
-                          (torch.randn(6, 16), x, torch.randn(16, 8), h1, 4, True, True, True))
-
-
-def test_compile_fullgraph_mlp():
+def test_compile_fullgraph_reference_path():
     torch._dynamo.reset()
     ts = make_mlp(8, 16, 32, requires_grad=True)
 
     def block(x, w1, b1, w2, b2, r):
-        return coda.ops.mlp(x, w1, b1, w2, b2, activation="gelu_tanh", residual=r)
+        return ops.mlp(x, w1, b1, w2, b2, activation="gelu_tanh", residual=r)
 
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    y = compiled(*ts)
-    y.square().sum().backward()
+    compiled(*ts).square().sum().backward()
     grads = [t.grad.clone() for t in ts]
     for t in ts:
         t.grad = None
@@ -186,44 +121,94 @@ def test_compile_fullgraph_mlp():
         torch.testing.assert_close(g, t.grad)
 
 
+# ---- autocast: fp32 parameters, a lower-precision compute dtype, as nn.Linear
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autocast_casts_like_nn_linear(compiled):
+    torch._dynamo.reset()
+    ours, plain = coda.nn.Linear(16, 24, activation="gelu_tanh"), torch.nn.Linear(16, 24)
+    plain.load_state_dict(ours.state_dict())
+    fn = torch.compile(ours, fullgraph=True, backend="aot_eager") if compiled else ours
+    x = torch.randn(3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn(x)
+        want = F.gelu(plain(x), approximate="tanh")
+    assert y.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want)
+    y.float().sum().backward()
+    assert ours.weight.grad.dtype == torch.float32
+
+
+# ---- fallbacks are visible
+
+def test_fallback_warns_once_and_strict_raises(monkeypatch):
+    monkeypatch.setattr(_kernels, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _kernels.fallback("linear", "dtype float32 has no kernel")
+        _kernels.fallback("linear", "dtype float32 has no kernel")
+    assert len([w for w in caught if issubclass(w.category, coda.FallbackWarning)]) == 1
+    assert "coda.linear ran its reference path: dtype float32" in str(caught[0].message)
+    coda.set_strict(True)
+    try:
+        with pytest.raises(RuntimeError, match="strict mode"):
+            _kernels.fallback("mlp", "feature sizes [1030] are not all positive multiples of 8")
+    finally:
+        coda.set_strict(False)
+
+
+def test_cpu_tensors_are_not_a_fallback():
+    coda.set_strict(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ops.linear(torch.randn(4, 16), torch.randn(8, 16))
+    finally:
+        coda.set_strict(False)
+
+
 # ---- errors name the argument and what was expected
 
-def test_error_weight_shape():
-    with pytest.raises(ValueError, match=r"weight must have shape \(out_features, 16\)"):
-        coda.ops.linear(torch.randn(4, 16), torch.randn(8, 15))
+def test_error_input_width_blames_the_input():
+    with pytest.raises(ValueError, match=r"x has shape \(4, 15\), but weight \(8, 16\) takes 16 input features: "
+                                         r"expected x of shape \(\.\.\., 16\)"):
+        ops.linear(torch.randn(4, 15), torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"x has shape \(2, 3, 12\).*expected x of shape \(\.\.\., 16\)"):
+        coda.nn.Linear(16, 8)(torch.randn(2, 3, 12))
+    with pytest.raises(ValueError, match=r"x has shape \(5, 8\).*expected x of shape \(\.\.\., 16\)"):
+        coda.nn.LayerNormMLP(16, 32)(torch.randn(5, 8))
 
 
 def test_error_bias_shape():
     with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
-        coda.ops.linear(torch.randn(4, 16), torch.randn(8, 16), torch.randn(9))
+        ops.linear(torch.randn(4, 16), torch.randn(8, 16), torch.randn(9))
 
 
 def test_error_dtype_mismatch():
     with pytest.raises(TypeError, match="weight has dtype torch.float64, expected torch.float32"):
-        coda.ops.linear(torch.randn(4, 16), torch.randn(8, 16, dtype=torch.float64))
+        ops.linear(torch.randn(4, 16), torch.randn(8, 16, dtype=torch.float64))
 
 
 def test_error_device_mismatch():
     with pytest.raises(ValueError, match="w2 is on meta, expected cpu"):
-        coda.ops.mlp(torch.randn(4, 16), torch.randn(32, 16), None, torch.randn(16, 32, device="meta"), None)
+        ops.mlp(torch.randn(4, 16), torch.randn(32, 16), None, torch.randn(16, 32, device="meta"), None)
 
 
 def test_error_activation():
     with pytest.raises(ValueError, match="activation must be None or one of"):
-        coda.ops.linear(torch.randn(4, 16), torch.randn(8, 16), activation="tanh")
+        ops.linear(torch.randn(4, 16), torch.randn(8, 16), activation="tanh")
     with pytest.raises(ValueError, match="activation must be None or one of"):
         coda.nn.Linear(16, 8, activation="swiglu")
 
 
 def test_error_residual_shape():
     with pytest.raises(ValueError, match=r"residual must have shape \(4, 16\)"):
-        coda.ops.mlp(torch.randn(4, 16), torch.randn(32, 16), None, torch.randn(16, 32), None,
-                     residual=torch.randn(4, 32))
+        ops.mlp(torch.randn(4, 16), torch.randn(32, 16), None, torch.randn(16, 32), None, residual=torch.randn(4, 32))
 
 
 def test_error_integer_input():
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
-        coda.ops.linear(torch.ones(4, 16, dtype=torch.int32), torch.randn(8, 16))
+        ops.linear(torch.ones(4, 16, dtype=torch.int32), torch.randn(8, 16))
 
 
 # ---- modules hold parameters that load plain PyTorch weights

@@ -1,12 +1,14 @@
 """Print a results file's cases as a markdown table (the README's performance tables).
 
-    python tools/results_table.py benchmarks/results/2026-12-02-h200.json [case-prefix ...]
+    python tools/results_table.py benchmarks/results/2026-12-04-h200-abc1234.json [case-prefix ...]
     python tools/results_table.py --budget FILE
 
---budget: for each case timed in turn with cuBLAS and torch.compile, what
-the target "at least 3% faster than torch.compile" leaves on top of the same
-GEMMs alone in cuBLAS (0.97 x compile - cuBLAS), against what coda spends
-there (coda - cuBLAS).
+--budget: for each case timed in turn with cuBLAS and torch.compile, what the target
+"at least 3% faster than torch.compile" leaves on top of the same GEMMs alone in cuBLAS
+(0.97 x compile - cuBLAS), against what coda spends there (coda - cuBLAS).
+
+Older files also hold sequential timings beside `<case>_interleaved` ones; --budget
+takes the interleaved ones where both exist.
 """
 
 import json
@@ -15,37 +17,46 @@ import sys
 IMPLS = ["coda", "cublas", "eager", "cublaslt", "liger", "compile"]
 
 
-def main(path, prefixes):
+def load(path, prefixes=(), interleaved_only=False):
     doc = json.load(open(path))
     cases = {}
     for row in doc["results"]:
-        if prefixes and not any(row["case"].startswith(p) for p in prefixes):
+        if "median_ms" not in row or (prefixes and not any(row["case"].startswith(p) for p in prefixes)):
             continue
-        cases.setdefault(row["case"], {})[row["impl"]] = row["median_ms"]
-    present = [i for i in IMPLS if any(i in c for c in cases.values())]
+        cases.setdefault(row["case"], {})[row["impl"]] = row
+    if interleaved_only:
+        cases = {c: t for c, t in cases.items() if c + "_interleaved" not in cases}
     print(f"commit {doc['commit']}, {doc['date']}, {doc['device']}\n")
-    print("| case | " + " | ".join(present) + " | coda / cuBLAS | coda / compile |")
-    print("| --- " * (len(present) + 3) + "|")
+    return cases
+
+
+def main(path, prefixes):
+    cases = load(path, prefixes)
+    present = [i for i in IMPLS if any(i in c for c in cases.values())]
+    host = any("host_ms" in r for t in cases.values() for r in t.values())
+    ratios = [b for b in ("cublas", "eager", "compile", "liger") if b in present]
+    print("| case | " + " | ".join(present) + "".join(f" | coda / {b}" for b in ratios)
+          + (" | host ms, coda / eager" if host else "") + " |")
+    print("| --- " * (1 + len(present) + len(ratios) + host) + "|")
     for case, t in cases.items():
-        cells = [f"{t[i]:.3f} ms" if i in t else "" for i in present]
-        ratio = lambda base: f"{t['coda'] / t[base]:.3f}" if "coda" in t and base in t else ""  # noqa: E731
-        print(f"| {case} | " + " | ".join(cells) + f" | {ratio('cublas')} | {ratio('compile')} |")
+        cells = [f"{t[i]['median_ms']:.3f} ms" if i in t else "" for i in present]
+        cells += [f"{t['coda']['median_ms'] / t[b]['median_ms']:.3f}" if "coda" in t and b in t else ""
+                  for b in ratios]
+        if host:
+            h = [f"{t[i]['host_ms']:.3f}" if "host_ms" in t.get(i, {}) else "-" for i in ("coda", "eager")]
+            cells.append(" / ".join(h))
+        print(f"| {case} | " + " | ".join(cells) + " |")
 
 
 def budget(path):
-    doc = json.load(open(path))
-    cases = {}
-    for row in doc["results"]:
-        if row["case"].endswith(("_interleaved", "_steady")):
-            cases.setdefault(row["case"], {})[row["impl"]] = row["median_ms"]
-    print(f"commit {doc['commit']}, {doc['date']}, {doc['device']}\n")
+    cases = load(path, interleaved_only=True)
     print("| case | cuBLAS, GEMMs alone | torch.compile | coda | compile over cuBLAS | 0.97 x compile - cuBLAS "
           "| coda - cuBLAS |")
     print("| --- " * 7 + "|")
     for case, t in cases.items():
         if not all(k in t for k in ("coda", "cublas", "compile")):
             continue
-        b, c, x = t["cublas"], t["compile"], t["coda"]
+        b, c, x = (t[k]["median_ms"] for k in ("cublas", "compile", "coda"))
         print(f"| {case} | {b:.3f} ms | {c:.3f} ms | {x:.3f} ms | {c / b:.3f} | {0.97 * c - b:+.3f} ms "
               f"| {x - b:+.3f} ms |")
 

@@ -115,8 +115,9 @@ struct RowStatsArgs {
   int64_t m = 0, n = 0;              // rows, row length
   const void* x = nullptr;           // (m, n)
   int64_t ldx = 0;
+  bool layernorm = true;             // false: RMSNorm (rstd of the raw rows)
   float eps = 1e-5f;
-  float* mean = nullptr;             // (m) out, or null for RMSNorm (rstd of the raw rows)
+  float* mean = nullptr;             // (m) out, or null; RMSNorm writes 0
   float* rstd = nullptr;             // (m) out
 };
 
@@ -129,6 +130,8 @@ struct NormLinearArgs {
   int64_t ldw = 0;
   const float* mean = nullptr;       // (m) or null (RMSNorm)
   const float* rstd = nullptr;       // (m)
+  float eps = 0.f;                   // LayerNorm's eps: rows whose variance is below 2⁻¹⁹·eps
+                                     // (constant rows) give H = t; 0: no such rows
   const float* col_sum = nullptr;    // (n) s, or null (RMSNorm)
   const float* shift = nullptr;      // (n) t, or null
   Activation activation = Activation::kIdentity;
@@ -151,14 +154,17 @@ struct LinearResidualArgs {
   int64_t ld_residual = 0;
   void* y = nullptr;                 // (m, n) out
   int64_t ldy = 0;
+  bool layernorm = true;             // false: RMSNorm statistics
   float eps = 1e-5f;
-  float* mean = nullptr;             // (m) out, or null for RMSNorm statistics
+  float* mean = nullptr;             // (m) out, or null; RMSNorm writes 0
   float* rstd = nullptr;             // (m) out
 };
 
-// The backward of a lone norm-GEMM's epilogue, one pass over its rows:
+// The backward of a lone (norm-)linear's epilogue, one pass over its rows:
 // dP = dY ⊙ act'(H), c₁ = scale·Σ_n dP ⊙ (H − t), c₂ = scale·Σ_n dP ⊙ s and,
-// optionally, the bias gradient Σ_m dP. (Inside coda's MLP the fc2 dgrad epilogue does this; see DgradArgs.)
+// optionally, the bias gradient Σ_m dP. With c1 null it is the activation's
+// backward and the bias gradient alone. (Inside coda's MLP the fc2 dgrad
+// epilogue does this; see DgradArgs.)
 struct NormRowDotsArgs {
   int64_t m = 0, n = 0;              // tokens, out features of the norm-GEMM
   const void* dy = nullptr;          // (m, n)
@@ -171,9 +177,9 @@ struct NormRowDotsArgs {
   float scale = 1.f;                 // 1 / the norm's size
   void* dp = nullptr;                // (m, n) out dP; unused with identity (dP is dY)
   int64_t lddp = 0;
-  float* c1 = nullptr;               // (m) out
+  float* c1 = nullptr;               // (m) out, or null (no row dots)
   float* c2 = nullptr;               // (m) out, or null
-  void* dbias = nullptr;             // (n) out Σ_m dP, or null: the norm-linear's bias gradient in the same read
+  void* dbias = nullptr;             // (n) out Σ_m dP, or null: the bias gradient in the same read
 };
 
 // dX = rstd ⊙ (γ ⊙ (dP·W) − x̂ ⊙ c₁ − c₂) + dR, x̂ = (X − mean) ⊙ rstd, with
@@ -231,27 +237,7 @@ size_t norm_row_dots_workspace_size(DType dtype, const NormRowDotsArgs& args);
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& args);
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
 
-// True when the current device can run coda's kernels (sm_90).
+// True when the device can run coda's kernels (sm_90).
 bool device_supported(int device);
-
-// Kernel choice, for tuning sweeps. -1 leaves a field to coda's heuristic.
-// config: a configuration's value as kernel_configs lists it (an op not built
-// in that configuration runs its default);
-// raster: 0 heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8;
-// store_l2: which epilogue stores are marked L2 evict-first, as bits (1 the
-// output D, 2 aux outputs such as the saved pre-activation; 0 none);
-// alternate_k: whether a CTA loads the k-blocks of every other tile last to first.
-struct Tuning {
-  int config = -1;
-  int raster = -1;
-  int swizzle = -1;
-  int store_l2 = -1;
-  int alternate_k = -1;
-};
-void set_tuning(const Tuning& tuning);  // process-wide; for benchmarks
-Tuning get_tuning();
-// The configurations an op ("linear", "norm_linear", "dgrad", "wgrad",
-// "linear_residual", "norm_dgrad", ...) is built in, as "value:name,value:name".
-const char* kernel_configs(const char* op);
 
 }  // namespace coda

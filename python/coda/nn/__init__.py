@@ -1,8 +1,26 @@
 """Modules that hold parameters and call coda.ops; state_dicts load from plain PyTorch."""
 
+from torch import nn
+
 from .linear import Linear
 from .mlp import MLP
-from .norm_linear import LayerNormLinear, RMSNormLinear
+from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear
 from .norm_mlp import LayerNormMLP
 
-__all__ = ["Linear", "MLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP"]
+__all__ = ["Linear", "MLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "fold_weights", "unfold_weights"]
+
+
+def fold_weights(model: nn.Module) -> nn.Module:
+    """Fold every norm into its next weight once, for inference (see coda/nn/_fold.py). Returns model."""
+    for m in model.modules():
+        if isinstance(m, NormInFront):
+            m.fold_weights()
+    return model
+
+
+def unfold_weights(model: nn.Module) -> nn.Module:
+    """Drop the folds fold_weights kept. Returns model."""
+    for m in model.modules():
+        if isinstance(m, NormInFront):
+            m.unfold_weights()
+    return model

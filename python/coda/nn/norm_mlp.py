@@ -18,15 +18,18 @@ class LayerNormMLP(NormInFront):
     ``forward(x, residual=x)`` is the pre-norm block x + MLP(Norm(x)).
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: Optional[float] = None, bias: bool = True,
                  normalization: str = "LayerNorm", activation: Optional[str] = "gelu_tanh", device=None,
                  dtype=None):
         super().__init__(hidden_size, eps, normalization, activation, device, dtype)
         self.fc1 = nn.Linear(hidden_size, ffn_hidden_size, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)
 
+    def first_linear(self) -> nn.Linear:
+        return self.fc1
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 stats: Optional[torch.Tensor] = None) -> torch.Tensor:
-        kind, weight, bias, eps = self.norm_args(x)
+        kind, weight, bias, eps = self.norm_args()
         return ops.norm_mlp(x, weight, bias, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                            kind, eps, self.activation, residual, stats)
+                            kind, eps, self.activation, residual, stats, self.folded_for(x))

@@ -1,0 +1,76 @@
+// The kernel choice by problem shape: which tile configuration, raster order
+// and swizzle each GEMM runs with. benchmarks/NOTES.md has the measurements
+// behind every rule.
+#include <atomic>
+#include <initializer_list>
+
+#include "kernels.h"
+
+namespace coda::kernels {
+
+namespace {
+
+// A test or benchmark override; -1 leaves a choice to the rule.
+std::atomic<int> override_config{-1}, override_raster{-1}, override_swizzle{-1};
+
+bool is_forward(Program p) {
+  return p == Program::kLinearAct || p == Program::kNormLinearAct || p == Program::kLinearResidualStats;
+}
+
+bool is_dgrad(Program p) {
+  return p == Program::kDActDBias || p == Program::kDActRowDot || p == Program::kNormDgrad;
+}
+
+// The first configuration built for (p, t) in this order.
+Config first_built(Program p, DType t, std::initializer_list<Config> order) {
+  for (Config c : order) {
+    if (is_built(p, t, c)) return c;
+  }
+  return *order.begin();
+}
+
+}  // namespace
+
+Choice choose(Program p, DType t, int64_t /*m*/, int64_t n, int64_t k) {
+  Choice c;
+  c.swizzle = 8;  // best or tied everywhere measured, in time and energy
+  if (is_forward(p)) {
+    // Forwards with N >= K (fc1, QKV, o-proj) hide their epilogue behind the
+    // other warp group's mainloop; N < K (fc2) runs cooperative.
+    c.config = n >= k ? first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256})
+                      : first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+    c.raster = 1;
+  } else if (is_dgrad(p)) {
+    c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+    c.raster = n > k ? 2 : 1;
+  } else {
+    c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+    c.raster = 2;
+  }
+  const int oc = override_config.load(std::memory_order_relaxed);
+  if (oc >= 0 && oc < kConfigCount && is_built(p, t, static_cast<Config>(oc))) c.config = static_cast<Config>(oc);
+  const int orr = override_raster.load(std::memory_order_relaxed);
+  if (orr >= 0) c.raster = orr;
+  const int os = override_swizzle.load(std::memory_order_relaxed);
+  if (os > 0) c.swizzle = os;
+  return c;
+}
+
+// coda's value is the epilogue; a wgrad has none. Its 128x256 tiles over
+// (out features, in features) are few where the features are (d = 1024:
+// QKV's wgrad 96 tiles, o-proj's 32, on 132 SMs), each a long K = tokens
+// loop, and most SMs idle; cuBLAS splits such GEMMs. With two full waves or
+// more coda's own ran 0.98-0.99x cuBLAS's (16,384 x 4096, benchmarks/NOTES.md).
+bool prefer_vendor_gemm(Program p, int64_t m, int64_t n, int64_t /*k*/, int sms) {
+  if (p != Program::kWgradStore) return false;
+  const int64_t tiles = ((m + 127) / 128) * ((n + 255) / 256);
+  return tiles < 2 * int64_t(sms);
+}
+
+void set_override(int config, int raster, int swizzle) {
+  override_config.store(config, std::memory_order_relaxed);
+  override_raster.store(raster, std::memory_order_relaxed);
+  override_swizzle.store(swizzle, std::memory_order_relaxed);
+}
+
+}  // namespace coda::kernels

@@ -1,7 +1,0 @@
-// dact_dbias, fp16, Cooperative128x256: one CUTLASS instantiation.
-#include "kernels.cuh"
-
-namespace coda::kernels {
-template Status dact_dbias<DType::kFloat16, Config::kCooperative128x256>(const GemmProblem&, const DActDBiasEpilogue&);
-template size_t dact_dbias_workspace<DType::kFloat16, Config::kCooperative128x256>(const GemmProblem&);
-}  // namespace coda::kernels

@@ -1,7 +1,0 @@
-// linear_residual_stats, bf16, Cooperative128x256: one CUTLASS instantiation.
-#include "kernels.cuh"
-
-namespace coda::kernels {
-template Status linear_residual_stats<DType::kBFloat16, Config::kCooperative128x256>(const GemmProblem&, const LinearResidualStatsEpilogue&);
-template size_t linear_residual_stats_workspace<DType::kBFloat16, Config::kCooperative128x256>(const GemmProblem&, const LinearResidualStatsEpilogue&);
-}  // namespace coda::kernels

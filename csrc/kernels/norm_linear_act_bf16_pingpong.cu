@@ -1,7 +1,0 @@
-// norm_linear_act, bf16, Pingpong128x128: one CUTLASS instantiation.
-#include "kernels.cuh"
-
-namespace coda::kernels {
-template Status norm_linear_act<DType::kBFloat16, Config::kPingpong128x128>(const GemmProblem&, const NormLinearEpilogue&);
-template size_t norm_linear_act_workspace<DType::kBFloat16, Config::kPingpong128x128>(const GemmProblem&);
-}  // namespace coda::kernels

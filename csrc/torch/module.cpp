@@ -1,0 +1,66 @@
+// coda._C: importing it registers torch.ops.coda.* (the fused ops in
+// linear_ops.cpp and norm_ops.cpp, and the library's introspection here).
+#include <Python.h>
+
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "tensors.h"
+
+namespace {
+
+using coda::kernels::Config;
+using coda::kernels::Program;
+
+bool device_supported(int64_t device) { return coda::device_supported(static_cast<int>(device)); }
+
+// For tests and benchmarks: force a configuration, raster order or swizzle
+// (-1: the rule's), e.g. to run the GPU tests on every configuration the
+// rule can pick. Not part of the C++ API.
+void set_kernel_override(int64_t config, int64_t raster, int64_t swizzle) {
+  coda::kernels::set_override(static_cast<int>(config), static_cast<int>(raster), static_cast<int>(swizzle));
+}
+
+// "program/config/dtype" of every kernel built.
+std::vector<std::string> kernels_built() {
+  std::vector<std::string> out;
+  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
+    for (int c = 0; c < coda::kernels::kConfigCount; ++c) {
+      for (coda::DType t : {coda::DType::kBFloat16, coda::DType::kFloat16}) {
+        if (!coda::kernels::is_built(Program(p), t, Config(c))) continue;
+        out.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" +
+                      coda::kernels::config_name(Config(c)) + "/" + (t == coda::DType::kBFloat16 ? "bf16" : "fp16") +
+                      "/" + std::to_string(c));
+      }
+    }
+  }
+  return out;
+}
+
+// "program/config" -> launches so far, as two lists.
+std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
+  std::vector<std::string> keys;
+  std::vector<int64_t> counts;
+  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
+    for (int c = 0; c < coda::kernels::kConfigCount; ++c) {
+      keys.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" + coda::kernels::config_name(Config(c)));
+      counts.push_back(coda::kernels::launch_count(Program(p), Config(c)));
+    }
+  }
+  return {keys, counts};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(coda, m) {
+  m.def("device_supported(int device) -> bool", &device_supported);
+  m.def("_set_kernel_override(int config, int raster, int swizzle) -> ()", &set_kernel_override);
+  m.def("_kernels_built() -> str[]", &kernels_built);
+  m.def("_launch_counts() -> (str[], int[])", &launch_counts);
+}
+
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "coda's compiled kernels (torch.ops.coda)", -1, nullptr};
+  return PyModule_Create(&module);
+}

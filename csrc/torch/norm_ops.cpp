@@ -1,0 +1,329 @@
+// The norm-folding fused ops: row statistics, the weight fold, norm -> Linear
+// and norm -> MLP forward and backward, and Linear + residual with the next
+// norm's statistics. Row statistics travel as one (2, M) fp32 tensor: row 0
+// the mean (0 for RMSNorm), row 1 rstd.
+//
+//   Norm(x)·Wᵀ + b = rstd ⊙ (x·W̃ᵀ − mean ⊙ s) + t,  W̃ = W∘γ, s = Σ_k W̃, t = W·β + b
+#include "tensors.h"
+
+namespace coda::torch_ops {
+
+// linear_ops.cpp
+Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activation act, const Tensor& dbias);
+Tensor wgrad_of(const Tensor& dy, const Tensor& x);
+std::tuple<Tensor, Tensor> act_grad_of(const Tensor& dy, const OptTensor& h, Activation act, bool want_dbias);
+
+namespace {
+
+const float* mean_of(const Tensor& stats, bool layernorm) { return layernorm ? stats.data_ptr<float>() : nullptr; }
+const float* rstd_of(const Tensor& stats) { return stats.data_ptr<float>() + stats.size(1); }
+
+// Given stats as (2, M) rows, or one pass over x.
+Tensor stats_for(const Tensor& x, const OptTensor& stats, bool layernorm, double eps) {
+  if (stats) {
+    expect(stats->dim() == 2 && stats->size(0) == 2 && stats->size(1) == x.size(0) &&
+               stats->scalar_type() == at::kFloat, "stats must be float32 (2, M)");
+    return vec(*stats);
+  }
+  Tensor st = f32({2, x.size(0)}, x);
+  RowStatsArgs a;
+  a.m = x.size(0); a.n = x.size(1);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.layernorm = layernorm;
+  a.eps = static_cast<float>(eps);
+  a.mean = st.data_ptr<float>();
+  a.rstd = st.data_ptr<float>() + a.m;
+  check(coda::row_stats(dtype_of(x), a, stream()), "row_stats");
+  return st;
+}
+
+struct Fold {
+  Tensor weight, col_sum, shift;  // W̃, s (undefined for RMSNorm), t
+};
+
+Fold fold(const Tensor& w, const Tensor& gamma, const OptTensor& beta, const OptTensor& bias, bool layernorm) {
+  const int64_t n = w.size(0), k = w.size(1);
+  expect(gamma.numel() == k && (!beta || beta->numel() == k) && (!bias || bias->numel() == n),
+         "fold: gamma, beta must be (K,) and bias (N,) for a weight (N, K)");
+  Fold f{empty2(n, k, w), layernorm ? f32({n}, w) : Tensor(), f32({n}, w)};
+  Tensor g = vec(gamma);
+  OptTensor be = vec(beta), bi = vec(bias);
+  FoldNormWeightArgs a;
+  a.n = n; a.k = k;
+  a.weight = w.data_ptr(); a.ldw = w.stride(0);
+  a.gamma = g.data_ptr();
+  a.beta = ptr(be);
+  a.bias = ptr(bi);
+  a.folded = f.weight.data_ptr(); a.ld_folded = f.weight.stride(0);
+  a.col_sum = layernorm ? f.col_sum.data_ptr<float>() : nullptr;
+  a.shift = f.shift.data_ptr<float>();
+  check(coda::fold_norm_weight(dtype_of(w), a, stream()), "fold_norm_weight");
+  return f;
+}
+
+// The fold given by the caller (coda.ops.fold_norm_weight, kept by a module),
+// or made now.
+Fold fold_for(const Tensor& w, const Tensor& gamma, const OptTensor& beta, const OptTensor& bias,
+              const OptTensor& folded, const OptTensor& col_sum, const OptTensor& shift, bool layernorm) {
+  if (!folded) return fold(w, gamma, beta, bias, layernorm);
+  expect(folded->sizes() == w.sizes() && shift && (!layernorm || col_sum), "folded weight, col_sum, shift mismatch");
+  return {rows(*folded), layernorm ? vec(*col_sum) : Tensor(), vec(*shift)};
+}
+
+// act(rstd ⊙ (x·W̃ᵀ − mean ⊙ s) + t), with H stored where `h` is given.
+void norm_forward(const Tensor& x, const Fold& f, const Tensor& stats, bool layernorm, double eps, Activation act,
+                  const Tensor& y, const Tensor* h) {
+  NormLinearArgs a;
+  a.m = x.size(0); a.n = f.weight.size(0); a.k = x.size(1);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = f.weight.data_ptr(); a.ldw = f.weight.stride(0);
+  a.mean = mean_of(stats, layernorm);
+  a.rstd = rstd_of(stats);
+  a.eps = layernorm ? static_cast<float>(eps) : 0.f;
+  a.col_sum = layernorm ? f.col_sum.data_ptr<float>() : nullptr;
+  a.shift = f.shift.data_ptr<float>();
+  a.activation = act;
+  a.y = y.data_ptr(); a.ldy = y.stride(0);
+  a.pre_act = h ? h->data_ptr() : nullptr;
+  a.ld_pre_act = h ? h->stride(0) : 0;
+  call("norm_linear", dtype_of(x), a, x, coda::norm_linear, coda::norm_linear_workspace_size);
+}
+
+struct NormGrads {
+  Tensor dx, normalized, dgamma, dbeta;
+};
+
+// The norm's input gradient in the epilogue of the dgrad GEMM dp·W, with
+// dγ, dβ, N̂ for dW = dpᵀ·N̂, and the residual's gradient added.
+NormGrads norm_dgrad_of(const Tensor& dp, const Tensor& w, const Tensor& x, const Tensor& stats, bool layernorm,
+                        const Tensor& gamma, const OptTensor& beta, const Tensor& c1, const Tensor& c2,
+                        const OptTensor& residual_grad, bool want_normalized, bool want_dgamma) {
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor g = vec(gamma);
+  OptTensor be = vec(beta);
+  NormGrads out{empty2(m, k, dp), want_normalized ? empty2(m, k, dp) : Tensor(),
+                want_dgamma ? empty1(k, dp) : Tensor(), want_dgamma && be ? empty1(k, dp) : Tensor()};
+  NormDgradArgs a;
+  a.m = m; a.n = k; a.k = dp.size(1);
+  a.dy = dp.data_ptr(); a.lddy = dp.stride(0);
+  a.weight = w.data_ptr(); a.ldw = w.stride(0);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.mean = mean_of(stats, layernorm);
+  a.rstd = rstd_of(stats);
+  a.gamma = g.data_ptr();
+  a.beta = ptr(be);
+  a.c1 = c1.data_ptr<float>();
+  a.c2 = c2.defined() ? c2.data_ptr<float>() : nullptr;
+  a.residual_grad = ptr(residual_grad);
+  a.ld_residual_grad = residual_grad ? residual_grad->stride(0) : 0;
+  a.dx = out.dx.data_ptr(); a.lddx = out.dx.stride(0);
+  a.normalized = want_normalized ? out.normalized.data_ptr() : nullptr;
+  a.ld_normalized = want_normalized ? out.normalized.stride(0) : 0;
+  a.dgamma = want_dgamma ? out.dgamma.data_ptr() : nullptr;
+  a.dbeta = out.dbeta.defined() ? out.dbeta.data_ptr() : nullptr;
+  call("norm_dgrad", dtype_of(dp), a, dp, coda::norm_dgrad, coda::norm_dgrad_workspace_size);
+  return out;
+}
+
+Tensor or_none(const Tensor& t, const Tensor& like) { return t.defined() ? t : none(like); }
+Tensor or_none_f32(const Tensor& t, const Tensor& like) { return t.defined() ? t : none_f32(like); }
+
+// ---- the ops
+
+Tensor row_stats(const Tensor& x_, bool layernorm, double eps) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  return stats_for(rows(x_), std::nullopt, layernorm, eps);
+}
+
+std::tuple<Tensor, Tensor, Tensor> fold_norm_weight(const Tensor& weight, const Tensor& gamma, const OptTensor& beta,
+                                                    const OptTensor& bias, bool layernorm) {
+  c10::cuda::CUDAGuard guard(weight.device());
+  Fold f = fold(rows(weight), gamma, beta, bias, layernorm);
+  return {f.weight, or_none_f32(f.col_sum, weight), f.shift};
+}
+
+// -> (y, pre_act, stats, col_sum, shift); the last three (0,) where given
+// (a custom op's outputs may not alias its inputs) or unused (s for RMSNorm).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear(
+    const Tensor& x_, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& weight,
+    const OptTensor& bias, const OptTensor& stats, const OptTensor& folded, const OptTensor& col_sum,
+    const OptTensor& shift, bool layernorm, double eps, int64_t activation, bool save_pre_act) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  Tensor x = rows(x_), w = rows(weight);
+  expect(w.size(1) == x.size(1), "norm_linear: weight must be (N, K) for x (M, K)");
+  const Activation act = activation_of(activation);
+  const bool save = save_pre_act && act != Activation::kIdentity;
+  Tensor st = stats_for(x, stats, layernorm, eps);
+  Fold f = fold_for(w, norm_weight, norm_bias, bias, folded, col_sum, shift, layernorm);
+  Tensor y = empty2(x.size(0), w.size(0), x), h = save ? empty2(x.size(0), w.size(0), x) : none(x);
+  norm_forward(x, f, st, layernorm, eps, act, y, save ? &h : nullptr);
+  return {y, h, stats ? none_f32(x) : st, folded ? none_f32(x) : or_none_f32(f.col_sum, x),
+          folded ? none_f32(x) : f.shift};
+}
+
+// pre_act: H, or the output y with identity. needs: (dx, dnorm_weight, dnorm_bias, dweight, dbias)
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_backward(
+    const Tensor& dy_, const Tensor& x_, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& weight,
+    const Tensor& pre_act, const Tensor& stats, const OptTensor& col_sum, const Tensor& shift, bool layernorm,
+    int64_t activation, std::array<bool, 5> needs) {
+  c10::cuda::CUDAGuard guard(dy_.device());
+  Tensor dy = rows(dy_), x = rows(x_), w = rows(weight), h = rows(pre_act);
+  const int64_t m = dy.size(0), n = dy.size(1), k = x.size(1);
+  const Activation act = activation_of(activation);
+  Tensor s = layernorm ? vec(*col_sum) : Tensor(), t = vec(shift);
+  // One pass over dy and H: dP = dy ⊙ act'(H), the norm's row dots
+  // c₁ = mean_n dP ⊙ (H − t), c₂ = mean_n dP ⊙ s and the bias gradient: no
+  // GEMM of a lone norm-linear has dP as its output, so no epilogue can.
+  const bool identity = act == Activation::kIdentity;
+  Tensor dp = identity ? dy : empty2(m, n, dy), c1 = f32({m}, dy), c2 = layernorm ? f32({m}, dy) : Tensor();
+  Tensor db = needs[4] ? empty1(n, dy) : Tensor();
+  NormRowDotsArgs r;
+  r.m = m; r.n = n;
+  r.dy = dy.data_ptr(); r.lddy = dy.stride(0);
+  r.pre_act = h.data_ptr(); r.ld_pre_act = h.stride(0);
+  r.activation = act;
+  r.shift = t.data_ptr<float>();
+  r.col_sum = layernorm ? s.data_ptr<float>() : nullptr;
+  r.scale = 1.f / float(k);  // the row dots are means over the norm's features
+  r.dp = identity ? nullptr : dp.data_ptr();
+  r.lddp = identity ? 0 : dp.stride(0);
+  r.c1 = c1.data_ptr<float>();
+  r.c2 = layernorm ? c2.data_ptr<float>() : nullptr;
+  r.dbias = needs[4] ? db.data_ptr() : nullptr;
+  call("norm_row_dots", dtype_of(dy), r, dy, coda::norm_row_dots, coda::norm_row_dots_workspace_size);
+  if (!(needs[0] || needs[1] || needs[2] || needs[3])) return {none(dy), none(dy), none(dy), none(dy), or_none(db, dy)};
+  NormGrads g = norm_dgrad_of(dp, w, x, vec(stats), layernorm, norm_weight, norm_bias, c1, c2, std::nullopt, needs[3],
+                              needs[1] || needs[2]);
+  Tensor dw = needs[3] ? wgrad_of(dp, g.normalized) : none(dy);
+  return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
+          needs[2] ? or_none(g.dbeta, dy) : none(dy), dw, or_none(db, dy)};
+}
+
+// fc2(act(fc1(Norm(x)))) + residual (x itself with add_input).
+// -> (y, h1, a1, stats, col_sum, shift) as norm_linear.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
+    const Tensor& x_, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& w1_, const OptTensor& b1,
+    const Tensor& w2_, const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
+    const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual, bool add_input, bool layernorm,
+    double eps, int64_t activation, bool save) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  Tensor x = rows(x_), w1 = rows(w1_), w2 = rows(w2_);
+  const int64_t m = x.size(0), f = w1.size(0), e = w2.size(0);
+  expect(w1.size(1) == x.size(1) && w2.size(1) == f, "norm_mlp: w1 must be (F, D) and w2 (E, F)");
+  OptTensor r = add_input ? OptTensor(x) : rows(residual);
+  expect(!r || (r->size(0) == m && r->size(1) == e), "norm_mlp: residual must be (M, E)");
+  const Activation act = activation_of(activation);
+  const bool save_h = save && act != Activation::kIdentity;
+  Tensor st = stats_for(x, stats, layernorm, eps);
+  Fold fo = fold_for(w1, norm_weight, norm_bias, b1, folded, col_sum, shift, layernorm);
+  Tensor a1 = empty2(m, f, x), h1 = save_h ? empty2(m, f, x) : none(x);
+  norm_forward(x, fo, st, layernorm, eps, act, a1, save_h ? &h1 : nullptr);
+  Tensor y = empty2(m, e, x);
+  LinearArgs a;
+  a.m = m; a.n = e; a.k = f;
+  a.x = a1.data_ptr(); a.ldx = a1.stride(0);
+  a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
+  OptTensor bias2 = vec(b2);
+  a.bias = ptr(bias2);
+  a.residual = ptr(r);
+  a.ld_residual = r ? r->stride(0) : 0;
+  a.y = y.data_ptr(); a.ldy = y.stride(0);
+  call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);
+  return {y, h1, save ? a1 : none(x), stats ? none_f32(x) : st,
+          folded ? none_f32(x) : or_none_f32(fo.col_sum, x), folded ? none_f32(x) : fo.shift};
+}
+
+// h1: the pre-activation (a1 with identity). needs: (dx, dnorm_weight, dnorm_bias, dw1, db1, dw2, db2)
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_backward(
+    const Tensor& dy_, const Tensor& x_, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& w1_,
+    const Tensor& w2_, const Tensor& h1_, const Tensor& a1_, const Tensor& stats, const OptTensor& col_sum,
+    const Tensor& shift, bool add_input, bool layernorm, int64_t activation, std::array<bool, 7> needs) {
+  c10::cuda::CUDAGuard guard(dy_.device());
+  Tensor dy = rows(dy_), x = rows(x_), w1 = rows(w1_), w2 = rows(w2_), h1 = rows(h1_), a1 = rows(a1_);
+  const int64_t m = dy.size(0), f = w1.size(0);
+  const Activation act = activation_of(activation);
+  Tensor s = layernorm ? vec(*col_sum) : Tensor(), t = vec(shift);
+  Tensor dw2 = needs[5] ? wgrad_of(dy, a1) : none(dy);
+  Tensor db2 = needs[6] ? std::get<1>(act_grad_of(dy, std::nullopt, Activation::kIdentity, true)) : none(dy);
+  if (!(needs[0] || needs[1] || needs[2] || needs[3] || needs[4])) {
+    return {none(dy), none(dy), none(dy), none(dy), none(dy), dw2, db2};
+  }
+  // fc2's dgrad epilogue: act', db1 and the norm's row dots c₁, c₂ in one pass.
+  Tensor dh1 = empty2(m, f, dy), db1 = needs[4] ? empty1(f, dy) : Tensor();
+  Tensor c1 = f32({m}, dy), c2 = layernorm ? f32({m}, dy) : Tensor();
+  DgradArgs d;
+  d.m = m; d.n = f; d.k = dy.size(1);
+  d.dy = dy.data_ptr(); d.lddy = dy.stride(0);
+  d.weight = w2.data_ptr(); d.ldw = w2.stride(0);
+  d.activation = act;
+  d.pre_act = h1.data_ptr(); d.ld_pre_act = h1.stride(0);
+  d.dx = dh1.data_ptr(); d.lddx = dh1.stride(0);
+  d.dbias = needs[4] ? db1.data_ptr() : nullptr;
+  d.norm_shift = t.data_ptr<float>();
+  d.norm_col_sum = layernorm ? s.data_ptr<float>() : nullptr;
+  d.norm_scale = 1.f / float(x.size(1));  // means over the norm's features
+  d.norm_c1 = c1.data_ptr<float>();
+  d.norm_c2 = layernorm ? c2.data_ptr<float>() : nullptr;
+  call("dgrad_rowdot", dtype_of(dy), d, dy, coda::dgrad, coda::dgrad_workspace_size);
+  // fc1's dgrad epilogue: the norm's backward, dγ, dβ, N̂ for dw1, and the
+  // residual's gradient when x is its own residual.
+  NormGrads g = norm_dgrad_of(dh1, w1, x, vec(stats), layernorm, norm_weight, norm_bias, c1, c2,
+                              add_input ? OptTensor(dy) : std::nullopt, needs[3], needs[1] || needs[2]);
+  Tensor dw1 = needs[3] ? wgrad_of(dh1, g.normalized) : none(dy);
+  return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
+          needs[2] ? or_none(g.dbeta, dy) : none(dy), dw1, or_none(db1, dy), dw2, db2};
+}
+
+// y = x·Wᵀ + b + residual and the (2, M) row statistics of y, in one GEMM.
+std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weight, const OptTensor& bias,
+                                           const Tensor& residual, bool layernorm, double eps) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  Tensor x = rows(x_), w = rows(weight), r = rows(residual);
+  const int64_t m = x.size(0), n = w.size(0);
+  expect(w.size(1) == x.size(1) && r.size(0) == m && r.size(1) == n,
+         "linear_residual: weight must be (N, K) for x (M, K), residual (M, N)");
+  OptTensor b = vec(bias);
+  Tensor y = empty2(m, n, x), st = f32({2, m}, x);
+  LinearResidualArgs a;
+  a.m = m; a.n = n; a.k = x.size(1);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr(); a.ldw = w.stride(0);
+  a.bias = ptr(b);
+  a.residual = r.data_ptr(); a.ld_residual = r.stride(0);
+  a.y = y.data_ptr(); a.ldy = y.stride(0);
+  a.layernorm = layernorm;
+  a.eps = static_cast<float>(eps);
+  a.mean = st.data_ptr<float>();
+  a.rstd = st.data_ptr<float>() + m;
+  call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
+  return {y, st};
+}
+
+}  // namespace
+
+CODA_TORCH_OP(row_stats, "row_stats(Tensor x, bool layernorm, float eps) -> Tensor")
+CODA_TORCH_OP(fold_norm_weight,
+              "fold_norm_weight(Tensor weight, Tensor gamma, Tensor? beta, Tensor? bias, bool layernorm)"
+              " -> (Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(norm_linear,
+              "norm_linear(Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor weight, Tensor? bias,"
+              " Tensor? stats, Tensor? folded, Tensor? col_sum, Tensor? shift, bool layernorm, float eps,"
+              " int activation, bool save_pre_act) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(norm_linear_backward,
+              "norm_linear_backward(Tensor dy, Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor weight,"
+              " Tensor pre_act, Tensor stats, Tensor? col_sum, Tensor shift, bool layernorm, int activation,"
+              " bool[5] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(norm_mlp,
+              "norm_mlp(Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor w1, Tensor? b1, Tensor w2,"
+              " Tensor? b2, Tensor? stats, Tensor? folded, Tensor? col_sum, Tensor? shift, Tensor? residual,"
+              " bool add_input, bool layernorm, float eps, int activation, bool save)"
+              " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(norm_mlp_backward,
+              "norm_mlp_backward(Tensor dy, Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor w1, Tensor w2,"
+              " Tensor h1, Tensor a1, Tensor stats, Tensor? col_sum, Tensor shift, bool add_input, bool layernorm,"
+              " int activation, bool[7] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(linear_residual,
+              "linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual, bool layernorm, float eps)"
+              " -> (Tensor, Tensor)")
+
+}  // namespace coda::torch_ops

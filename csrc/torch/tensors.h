@@ -1,0 +1,94 @@
+// What every fused op's C++ implementation shares: tensors made kernel-ready,
+// outputs allocated, statuses turned into errors, and the registration of an
+// op's schema with its CUDA implementation in one line (CODA_TORCH_OP).
+//
+// The user-facing argument checks are Python's (python/coda/ops/_checks.py)
+// and the pointer checks the C++ API's; the shape invariants here only keep
+// a direct caller of torch.ops.coda.* from reaching a kernel with a wrong
+// shape.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+
+#include "coda/coda.h"
+
+namespace coda::torch_ops {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+inline DType dtype_of(const Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf, "coda: expected bfloat16 or float16, got ",
+              t.scalar_type());
+  return t.scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
+}
+
+inline bool aligned16(const Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0; }
+
+// A 2-D tensor as the kernels read it: unit column stride, a row stride of at
+// least a row and a multiple of 8 elements, 16-byte aligned. Anything else
+// (an expanded dy with row stride 0, a transposed view, a slice at an odd
+// offset) is copied, never handed over with a leading dimension the kernel
+// would misread.
+inline Tensor rows(const Tensor& t) {
+  Tensor r = t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+  const bool ready = r.stride(1) == 1 && r.stride(0) >= r.size(1) && r.stride(0) % 8 == 0 &&
+                     (r.numel() == 0 || aligned16(r));
+  return ready ? r : r.clone(at::MemoryFormat::Contiguous);
+}
+
+inline OptTensor rows(const OptTensor& t) { return t ? OptTensor(rows(*t)) : std::nullopt; }
+
+// A contiguous, 16-byte-aligned vector.
+inline Tensor vec(const Tensor& t) {
+  return t.is_contiguous() && (t.numel() == 0 || aligned16(t)) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+inline OptTensor vec(const OptTensor& t) { return t ? OptTensor(vec(*t)) : std::nullopt; }
+
+inline const void* ptr(const OptTensor& t) { return t ? t->data_ptr() : nullptr; }
+inline const float* f32_ptr(const OptTensor& t) { return t && t->numel() ? t->data_ptr<float>() : nullptr; }
+
+inline void expect(bool ok, const char* what) { TORCH_CHECK(ok, "coda: ", what); }
+
+inline Tensor empty2(int64_t m, int64_t n, const Tensor& like) { return at::empty({m, n}, like.options()); }
+inline Tensor empty1(int64_t n, const Tensor& like) { return at::empty({n}, like.options()); }
+inline Tensor f32(at::IntArrayRef shape, const Tensor& like) { return at::empty(shape, like.options().dtype(at::kFloat)); }
+// The (0,) tensor an op returns for an output it did not compute.
+inline Tensor none(const Tensor& like) { return at::empty({0}, like.options()); }
+inline Tensor none_f32(const Tensor& like) { return at::empty({0}, like.options().dtype(at::kFloat)); }
+
+inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+
+inline void check(Status s, const char* op) {
+  TORCH_CHECK(s == Status::kSuccess, "coda::", op, " failed (", status_string(s), "): ", last_error_message());
+}
+
+// One C++ API call on a workspace of size(dtype, args) bytes from torch's allocator.
+template <class Args, class Run, class Size>
+void call(const char* op, DType dt, const Args& a, const Tensor& like, Run run, Size size) {
+  const size_t bytes = size(dt, a);
+  Tensor ws = bytes ? at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte)) : Tensor();
+  check(run(dt, a, bytes ? ws.data_ptr() : nullptr, bytes, stream()), op);
+}
+
+inline Activation activation_of(int64_t a) {
+  TORCH_CHECK(a >= 0 && a <= static_cast<int64_t>(Activation::kSiLU), "coda: unknown activation code ", a);
+  return static_cast<Activation>(a);
+}
+
+}  // namespace coda::torch_ops
+
+// An op's schema and its CUDA implementation, registered together; its fake
+// (shapes only) and its autograd are Python's (python/coda/ops/).
+#define CODA_TORCH_OP(fn, schema)                                          \
+  TORCH_LIBRARY_FRAGMENT(coda, m) {                                        \
+    m.def(schema);                                                         \
+    m.impl(#fn, torch::dispatch(c10::DispatchKey::CUDA, TORCH_FN(fn)));    \
+  }

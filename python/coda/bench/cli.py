@@ -1,0 +1,116 @@
+"""python -m coda.bench: coda against its baselines, all timed in turn in one run.
+
+Default: the GPT-style block without its attention (LayerNorm -> QKV, o-proj +
+residual, LayerNorm -> GELU MLP + residual), forward and forward + backward, at
+8192 tokens and d 1024, 2048, 4096 (ffn 4d), bf16. Impls:
+  coda      the block composed from coda.ops
+  cublas    its GEMMs alone (torch.matmul): the floor a fused block is held to
+  eager     the unfused PyTorch code
+  compile   torch.compile of it, compiled once per case before timing
+  liger     the eager code with Liger-Kernel's LayerNorm (where installed)
+`--only mlp`, `--only norm` run the MLP's and the norm ops' own cases instead.
+
+Each case times its impls in turn, --rounds rounds, each round starting one
+impl further along; median_ms is the median of the rounds' medians (timings:
+triton.testing.do_bench, the L2 cleared before every run); host_ms is the host
+time to enqueue one step. `--out DIR` writes DIR/<date>-<device>-<commit>.json.
+Without an sm_90 GPU it says so and times the reference path on the CPU at a
+small size. Kernel-level experiments (configuration sweeps, per-kernel
+breakdowns, max-autotune, kernel overrides) are scripts in benchmarks/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, Tuple
+
+import torch
+
+import coda
+from coda import _kernels
+
+from . import blocks, mlp, norm, results, table
+from .timing import Runner, timer
+
+SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run}
+
+
+def _ints(text: str) -> List[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _sections(text: str) -> List[str]:
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(SECTIONS)} (comma-separated), got {text!r}")
+    return names
+
+
+def gpu_here() -> Tuple[bool, str]:
+    """(True, "") where coda's kernels run on the current CUDA device, else (False, why not)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA GPU"
+    if not coda.kernels_available():
+        return False, f"coda's extension did not load ({getattr(_kernels, 'LOAD_ERROR', None)})"
+    if not coda.kernels_run_on(torch.device("cuda")):
+        return False, f"{torch.cuda.get_device_name()} is not sm_90"
+    return True, ""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m coda.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", type=_sections, default=["block"], metavar="block|mlp|norm",
+                   help="the cases to run, comma-separated (default: block)")
+    p.add_argument("--tokens", type=int, help="rows of every activation (default: 8192 on the GPU, 256 on the CPU)")
+    p.add_argument("--dims", type=_ints, help="comma-separated model widths d, ffn = 4d "
+                                              "(default: 1024,2048,4096 on the GPU, 256 on the CPU)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                   help="on the GPU (the CPU runs float32); coda's norm kernels are bf16 only")
+    p.add_argument("--warmup-ms", type=float, default=25, help="do_bench's warm-up per timing")
+    p.add_argument("--rep-ms", type=float, default=100, help="do_bench's timed window per timing")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each case's impls in turn")
+    p.add_argument("--host-reps", type=int, default=20, help="steps the host time is the median of")
+    p.add_argument("--out", help="write <date>-<device>-<commit>.json into this folder")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    gpu, why_not = gpu_here()
+    if gpu:
+        device, dtype = "cuda", getattr(torch, args.dtype)
+        tokens, dims = args.tokens or 8192, args.dims or [1024, 2048, 4096]
+        print(f"coda.bench on {torch.cuda.get_device_name()}: {','.join(args.only)}, tokens={tokens} "
+              f"d={','.join(map(str, dims))} {args.dtype}", flush=True)
+    else:
+        device, dtype = "cpu", torch.float32
+        tokens, dims = args.tokens or 256, args.dims or [256]
+        print(f"coda.bench: {why_not}; timing the reference path on the CPU at tokens={tokens} "
+              f"d={','.join(map(str, dims))} float32.", flush=True)
+
+    r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.host_reps)
+    path = results.results_path(args.out) if args.out else None
+
+    def save() -> None:
+        if path:
+            results.write_to(path, {
+                "timed_on": device, "dtype": str(dtype).replace("torch.", ""),
+                "shape": {"tokens": tokens, "dims": dims, "ffn": "4d"},
+                "timer": timer(gpu, args.warmup_ms, args.rep_ms, r.cpu_reps) + f"; {args.rounds} rounds in turn",
+                "results": r.results, "skipped": r.skipped})
+
+    r.after_case = save
+    for name in args.only:
+        SECTIONS[name](r, tokens, dims, dtype, device)
+    table.print_table(r.results)
+    if path:
+        save()
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

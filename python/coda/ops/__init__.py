@@ -1,0 +1,13 @@
+"""coda's fused ops: one public function per fused op, each one C++ op per
+direction on the kernel path (torch.ops.coda.*, fakes and autograd here, so
+torch.compile(fullgraph=True) traces them), and a reference path of plain
+torch code for what has no kernel. Activations (..., features), weights in
+nn.Linear's (out, in) layout."""
+
+from .linear import linear, linear_reference, mlp, mlp_reference
+from .norm import (FoldedWeight, fold_norm_weight, layernorm_linear, linear_residual, norm_linear_reference,
+                   norm_mlp, norm_mlp_reference, normalize_reference, rmsnorm_linear, row_stats)
+
+__all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "linear_residual", "row_stats",
+           "fold_norm_weight", "FoldedWeight", "linear_reference", "mlp_reference", "norm_linear_reference",
+           "norm_mlp_reference", "normalize_reference"]

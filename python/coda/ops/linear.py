@@ -1,0 +1,162 @@
+"""Linear (+ activation) and the MLP: one GEMM per layer, the bias,
+activation and residual in its epilogue, forward and backward.
+
+Each op is one torch.autograd.Function over one C++ op per direction
+(torch.ops.coda.linear / linear_backward, mlp / mlp_backward, whose fakes are
+here), and a reference path of plain torch code for what has no kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _activations, _kernels
+from . import _checks
+from ._common import autocast, first_order, needs_grad, rows
+
+__all__ = ["linear", "mlp"]
+
+
+def _empty(like: Tensor, *shape: int) -> Tensor:
+    return like.new_empty(shape if shape else (0,))
+
+
+if _kernels.available():
+
+    @torch.library.register_fake("coda::linear")
+    def _(x, weight, bias, residual, activation, save_pre_act):
+        m, n = x.shape[0], weight.shape[0]
+        save = save_pre_act and activation != _activations.IDENTITY
+        return x.new_empty(m, n), (x.new_empty(m, n) if save else _empty(x))
+
+    @torch.library.register_fake("coda::linear_backward")
+    def _(dy, x, weight, pre_act, activation, needs):
+        return (x.new_empty(x.shape) if needs[0] else _empty(x), weight.new_empty(weight.shape) if needs[1] else _empty(x),
+                x.new_empty(weight.shape[0]) if needs[2] else _empty(x))
+
+    @torch.library.register_fake("coda::mlp")
+    def _(x, w1, b1, w2, b2, residual, activation, save):
+        m, f = x.shape[0], w1.shape[0]
+        save_h = save and activation != _activations.IDENTITY
+        return x.new_empty(m, w2.shape[0]), (x.new_empty(m, f) if save_h else _empty(x)), \
+            (x.new_empty(m, f) if save else _empty(x))
+
+    @torch.library.register_fake("coda::mlp_backward")
+    def _(dy, x, w1, w2, h1, a1, activation, needs):
+        e = x.new_empty
+        return (e(x.shape) if needs[0] else e(0), e(w1.shape) if needs[1] else e(0), e(w1.shape[0]) if needs[2] else e(0),
+                e(w2.shape) if needs[3] else e(0), e(w2.shape[0]) if needs[4] else e(0))
+
+
+# ---- linear: y = act(x·Wᵀ + b) (+ residual)
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation: int, save: bool):
+        y, h = torch.ops.coda.linear(x, weight, bias, None, activation, save)
+        if save:
+            ctx.save_for_backward(x, weight, h if activation != _activations.IDENTITY else None)
+        ctx.activation, ctx.has_bias = activation, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, h = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx, dw, db = torch.ops.coda.linear_backward(dy, x, weight, h, ctx.activation,
+                                                    [need[0], need[1], ctx.has_bias and need[2]])
+        return first_order("linear", (dx if need[0] else None, dw if need[1] else None,
+                                      db if ctx.has_bias and need[2] else None, None, None))
+
+
+def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                     residual: Optional[Tensor] = None) -> Tensor:
+    """act(x·weightᵀ + bias) (+ residual), unfused: the reference path and the tests' baseline."""
+    y = _activations.apply(F.linear(x, weight, bias), _activations.code(activation))
+    return y if residual is None else y + residual
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None) -> Tensor:
+    """act(x·weightᵀ + bias) in one GEMM, its bias and activation in the epilogue.
+
+    x: (..., in_features); weight: (out_features, in_features), nn.Linear's layout;
+    bias: (out_features,) or None; activation: None, "gelu_tanh", "gelu" (erf),
+    "relu" or "silu". Returns (..., out_features).
+    """
+    op = "linear"
+    _checks.x_input(x, op)
+    _checks.weight("weight", weight, x.shape[-1], op, "x", x.shape)
+    _checks.vector("bias", bias, weight.shape[0], op, " (out_features of weight)")
+    act = _activations.code(activation)
+    x, weight, bias = autocast(x, weight, bias)
+    _checks.like("weight", weight, x, op)
+    if bias is not None:
+        _checks.like("bias", bias, x, op)
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], weight.shape[0])):
+        return linear_reference(x, weight, bias, activation)
+    y = _Linear.apply(rows(x), weight, bias, act, needs_grad(x, weight, bias))
+    return y.reshape(out_shape)
+
+
+# ---- mlp: y = fc2(act(fc1(x))) + residual
+
+class _MLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, residual, activation: int, save: bool):
+        y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, residual, activation, save)
+        if save:
+            ctx.save_for_backward(x, w1, w2, a1 if activation == _activations.IDENTITY else h1, a1)
+        ctx.activation = activation
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w1, w2, h1, a1 = ctx.saved_tensors
+        nx, nw1, nb1, nw2, nb2, nres = ctx.needs_input_grad[:6]
+        nb1, nb2 = nb1 and ctx.has_b1, nb2 and ctx.has_b2
+        dx, dw1, db1, dw2, db2 = torch.ops.coda.mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation,
+                                                             [nx, nw1, nb1, nw2, nb2])
+        return first_order("mlp", (dx if nx else None, dw1 if nw1 else None, db1 if nb1 else None,
+                                   dw2 if nw2 else None, db2 if nb2 else None, dy if nres else None, None, None))
+
+
+def mlp_reference(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                  activation: Optional[str] = "gelu_tanh", residual: Optional[Tensor] = None) -> Tensor:
+    """fc2(act(fc1(x))) (+ residual), unfused."""
+    return linear_reference(linear_reference(x, w1, b1, activation), w2, b2, None, residual)
+
+
+def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+        activation: Optional[str] = "gelu_tanh", residual: Optional[Tensor] = None) -> Tensor:
+    """fc2(act(fc1(x))) + residual: two GEMMs, everything else in their epilogues.
+
+    x: (..., D); w1: (F, D); b1: (F,) or None; w2: (E, F); b2: (E,) or None;
+    residual: (..., E) or None. Returns (..., E). Forward: fc1's epilogue adds
+    b1, applies act and keeps the pre-activation; fc2's adds b2 and the
+    residual. Backward: fc2's dgrad epilogue applies act' and reduces db1.
+    """
+    op = "mlp"
+    _checks.x_input(x, op)
+    _checks.weight("w1", w1, x.shape[-1], op, "x", x.shape)
+    _checks.vector("b1", b1, w1.shape[0], op, " (out_features of w1)")
+    _checks.weight("w2", w2, w1.shape[0], op, "fc1's output (w1)", (*x.shape[:-1], w1.shape[0]))
+    _checks.vector("b2", b2, w2.shape[0], op, " (out_features of w2)")
+    out_shape = (*x.shape[:-1], w2.shape[0])
+    if residual is not None:
+        _checks.matrix_like("residual", residual, out_shape, op)
+    act = _activations.code(activation)
+    x, w1, b1, w2, b2, residual = autocast(x, w1, b1, w2, b2, residual)
+    for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("residual", residual)):
+        if t is not None:
+            _checks.like(name, t, x, op)
+    if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], w1.shape[0], w2.shape[0])):
+        return mlp_reference(x, w1, b1, w2, b2, activation, residual)
+    y = _MLP.apply(rows(x), w1, b1, w2, b2, None if residual is None else rows(residual), act,
+                   needs_grad(x, w1, b1, w2, b2, residual))
+    return y.reshape(out_shape)
