@@ -206,8 +206,7 @@ def test_row_dots_beyond_65535_strips(seed):
     ops.layernorm_linear(*xs, activation="gelu_tanh").backward(dy)
     ts = leaves(x, g, b, w, bias)
     ops.norm_linear_reference(*ts, activation="gelu_tanh").backward(dy)
-    t64 = [t.double() for t in leaves(x, g, b, w, bias)]
-    t64 = [t.requires_grad_(True) for t in t64]
+    t64 = [t.detach().double().requires_grad_(True) for t in (x, g, b, w, bias)]
     ops.norm_linear_reference(*t64, activation="gelu_tanh").backward(dy.double())
     for i in (0, 4):  # dx and the bias gradient
         within_torch_error(f"{m} rows grad[{i}] seed={seed}", rel_err(xs[i].grad, t64[i].grad),

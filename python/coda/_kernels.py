@@ -13,7 +13,6 @@ CODA_STRICT=1 or coda.set_strict) for CUDA tensors.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import warnings
 from typing import Dict, Optional, Sequence
@@ -44,9 +43,13 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
-@functools.lru_cache(maxsize=None)
+_sm90_of: Dict[int, bool] = {}
+
+
 def _sm90(index: int) -> bool:
-    return bool(torch.ops.coda.device_supported(index))
+    if index not in _sm90_of:
+        _sm90_of[index] = bool(torch.ops.coda.device_supported(index))
+    return _sm90_of[index]
 
 
 # Under torch.compile the answer is taken at trace time, as a constant (what

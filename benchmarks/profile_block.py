@@ -1,0 +1,97 @@
+"""Where one step of the GPT-style block spends its time, host and GPU: the
+torch profiler's CPU ops and CUDA kernels per step, cProfile's Python
+functions, and each op's host time alone, for coda and eager side by side.
+
+    python benchmarks/profile_block.py --d 1024 --tokens 8192 --out DIR
+
+Writes DIR/profile_block_d<d>.txt (the tables) and a stamped JSON of the
+totals. An experiment tool: what it finds goes to benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+from coda.bench import blocks, results, steps
+
+
+def host_ms_of(fn, reps=30):
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def profile_step(fn, calls=5):
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.time_range.elapsed_us() for e in kernels) / calls
+    table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30)
+    return {"gpu_kernel_us": gpu_us, "kernels_per_step": len(kernels) / calls}, table_cpu, table_gpu
+
+
+def python_profile(fn, calls=20):
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
+    return s.getvalue()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--d", type=int, nargs="+", default=[1024])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    rows = []
+    for d in a.d:
+        args = blocks.inputs(a.tokens, d, torch.bfloat16, "cuda")
+        grads = blocks.output_grads(a.tokens, d, torch.bfloat16, "cuda")
+        text = io.StringIO()
+        impls = {"coda": blocks.coda_block, "eager": blocks.eager_block}
+        for name, block in impls.items():
+            fwd = steps.forward(block, args)
+            fb = steps.forward_backward(block, args, grads)
+            # each op alone (forward, no grad): host time to enqueue, GPU idle before
+            row = {"d": d, "impl": name, "host_fwd_ms": host_ms_of(fwd), "host_fwd_bwd_ms": host_ms_of(fb)}
+            totals, cpu_t, gpu_t = profile_step(fb)
+            row.update(totals)
+            rows.append(row)
+            print(row, flush=True)
+            text.write(f"==== {name} d={d} fwd+bwd: {row}\n---- CPU ops by self time\n{cpu_t}\n"
+                       f"---- CUDA kernels\n{gpu_t}\n---- Python (cProfile, 20 steps, by tottime)\n"
+                       f"{python_profile(fb)}\n")
+        with open(os.path.join(a.out, f"profile_block_d{d}.txt"), "w") as f:
+            f.write(text.getvalue())
+    results.write(a.out, "profile_block", {"tokens": a.tokens, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
