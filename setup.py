@@ -1,7 +1,7 @@
 """pip drives CMake: `pip install --no-build-isolation .` (or `-e .`).
 
 Environment:
-  MAX_JOBS             parallel compile jobs (one CUTLASS TU takes ~3.6 GB of RAM)
+  MAX_JOBS             parallel compile jobs (one CUTLASS TU takes ~4.5 GB of RAM: MAX_JOBS x 4.5 GB must fit)
   CODA_BUILD_DIR       where CMake builds (default: build/py<version>)
   CUTLASS_INCLUDE_DIR  CUTLASS headers, if not from the nvidia-cutlass package
   CODA_CMAKE_ARGS      extra arguments for the CMake configure step

@@ -21,6 +21,7 @@ import time
 import torch
 
 from coda.bench import blocks, results, steps
+from coda.bench.timing import kernel_timeline
 
 
 def host_ms_of(fn, reps=30):
@@ -85,7 +86,12 @@ def main():
             row.update(totals)
             rows.append(row)
             print(row, flush=True)
-            text.write(f"==== {name} d={d} fwd+bwd: {row}\n---- CPU ops by self time\n{cpu_t}\n"
+            tl = kernel_timeline(fb)
+            row["kernel_us"] = tl["kernel_us"]
+            text.write(f"==== {name} d={d} fwd+bwd: {totals}\n---- kernels in launch order: us, idle before\n")
+            for k, us, idle in tl["kernel_us"]:
+                text.write(f"  {us:8.1f} {idle:8.1f}  {k[:150]}\n")
+            text.write(f"---- CPU ops by self time\n{cpu_t}\n"
                        f"---- CUDA kernels\n{gpu_t}\n---- Python (cProfile, 20 steps, by tottime)\n"
                        f"{python_profile(fb)}\n")
         with open(os.path.join(a.out, f"profile_block_d{d}.txt"), "w") as f:

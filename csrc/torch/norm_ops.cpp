@@ -16,23 +16,22 @@ std::tuple<Tensor, Tensor> act_grad_of(const Tensor& dy, const OptTensor& h, Act
 namespace {
 
 const float* mean_of(const Tensor& stats, bool layernorm) { return layernorm ? stats.data_ptr<float>() : nullptr; }
-const float* rstd_of(const Tensor& stats) { return stats.data_ptr<float>() + stats.size(1); }
+const float* rstd_of(const Tensor& stats) { return stats.data_ptr<float>() + stats.stride(0); }
 
 // Given stats as (2, M) rows, or one pass over x.
 Tensor stats_for(const Tensor& x, const OptTensor& stats, bool layernorm, double eps) {
   if (stats) {
-    expect(stats->dim() == 2 && stats->size(0) == 2 && stats->size(1) == x.size(0) &&
-               stats->scalar_type() == at::kFloat, "stats must be float32 (2, M)");
-    return vec(*stats);
+    expect(stats->dim() == 2 && stats->size(1) == x.size(0), "stats must be float32 (2, M)");
+    return stats_rows(*stats);
   }
-  Tensor st = f32({2, x.size(0)}, x);
+  Tensor st = stats_buffer(x.size(0), x);
   RowStatsArgs a;
   a.m = x.size(0); a.n = x.size(1);
   a.x = x.data_ptr(); a.ldx = x.stride(0);
   a.layernorm = layernorm;
   a.eps = static_cast<float>(eps);
   a.mean = st.data_ptr<float>();
-  a.rstd = st.data_ptr<float>() + a.m;
+  a.rstd = st.data_ptr<float>() + st.stride(0);
   check(coda::row_stats(dtype_of(x), a, stream()), "row_stats");
   return st;
 }
@@ -192,7 +191,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_backward(
   r.dbias = needs[4] ? db.data_ptr() : nullptr;
   call("norm_row_dots", dtype_of(dy), r, dy, coda::norm_row_dots, coda::norm_row_dots_workspace_size);
   if (!(needs[0] || needs[1] || needs[2] || needs[3])) return {none(dy), none(dy), none(dy), none(dy), or_none(db, dy)};
-  NormGrads g = norm_dgrad_of(dp, w, x, vec(stats), layernorm, norm_weight, norm_bias, c1, c2, std::nullopt, needs[3],
+  NormGrads g = norm_dgrad_of(dp, w, x, stats_rows(stats), layernorm, norm_weight, norm_bias, c1, c2, std::nullopt, needs[3],
                               needs[1] || needs[2]);
   Tensor dw = needs[3] ? wgrad_of(dp, g.normalized) : none(dy);
   return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
@@ -267,7 +266,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_back
   call("dgrad_rowdot", dtype_of(dy), d, dy, coda::dgrad, coda::dgrad_workspace_size);
   // fc1's dgrad epilogue: the norm's backward, dγ, dβ, N̂ for dw1, and the
   // residual's gradient when x is its own residual.
-  NormGrads g = norm_dgrad_of(dh1, w1, x, vec(stats), layernorm, norm_weight, norm_bias, c1, c2,
+  NormGrads g = norm_dgrad_of(dh1, w1, x, stats_rows(stats), layernorm, norm_weight, norm_bias, c1, c2,
                               add_input ? OptTensor(dy) : std::nullopt, needs[3], needs[1] || needs[2]);
   Tensor dw1 = needs[3] ? wgrad_of(dh1, g.normalized) : none(dy);
   return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
@@ -283,7 +282,7 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
   expect(w.size(1) == x.size(1) && r.size(0) == m && r.size(1) == n,
          "linear_residual: weight must be (N, K) for x (M, K), residual (M, N)");
   OptTensor b = vec(bias);
-  Tensor y = empty2(m, n, x), st = f32({2, m}, x);
+  Tensor y = empty2(m, n, x), st = stats_buffer(m, x);
   LinearResidualArgs a;
   a.m = m; a.n = n; a.k = x.size(1);
   a.x = x.data_ptr(); a.ldx = x.stride(0);
@@ -294,7 +293,7 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
   a.layernorm = layernorm;
   a.eps = static_cast<float>(eps);
   a.mean = st.data_ptr<float>();
-  a.rstd = st.data_ptr<float>() + m;
+  a.rstd = st.data_ptr<float>() + st.stride(0);
   call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
   return {y, st};
 }

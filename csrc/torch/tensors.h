@@ -60,6 +60,21 @@ inline void expect(bool ok, const char* what) { TORCH_CHECK(ok, "coda: ", what);
 inline Tensor empty2(int64_t m, int64_t n, const Tensor& like) { return at::empty({m, n}, like.options()); }
 inline Tensor empty1(int64_t n, const Tensor& like) { return at::empty({n}, like.options()); }
 inline Tensor f32(at::IntArrayRef shape, const Tensor& like) { return at::empty(shape, like.options().dtype(at::kFloat)); }
+// Row statistics: (2, M) fp32, row 0 the mean, row 1 rstd, each row a
+// 16-byte-aligned vector (a row stride of M rounded up to 4 floats), so that
+// rstd is as aligned as the mean for any M.
+inline Tensor stats_buffer(int64_t m, const Tensor& like) {
+  return f32({2, (m + 3) / 4 * 4}, like).narrow(1, 0, m);
+}
+inline Tensor stats_rows(const Tensor& s) {
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == 2 && s.scalar_type() == at::kFloat, "coda: stats must be float32 (2, M), got ",
+              s.scalar_type(), " ", s.sizes());
+  if (s.stride(1) == 1 && s.stride(0) % 4 == 0 && s.stride(0) >= s.size(1) && aligned16(s)) return s;
+  Tensor r = stats_buffer(s.size(1), s);
+  r.copy_(s);
+  return r;
+}
+
 // The (0,) tensor an op returns for an output it did not compute.
 inline Tensor none(const Tensor& like) { return at::empty({0}, like.options()); }
 inline Tensor none_f32(const Tensor& like) { return at::empty({0}, like.options().dtype(at::kFloat)); }

@@ -46,11 +46,17 @@ def _f32(like: Tensor, *shape: int) -> Tensor:
     return like.new_empty(shape if shape else (0,), dtype=torch.float32)
 
 
+def _stats_fake(like: Tensor, m: int) -> Tensor:
+    """(2, m) float32 whose rows start 16 bytes apart at least (a row stride of
+    m rounded up to 4), as the C++ ops allocate them: rstd aligned for any m."""
+    return _f32(like, 2, (m + 3) // 4 * 4)[:, :m]
+
+
 if _kernels.available():
 
     @torch.library.register_fake("coda::row_stats")
     def _(x, layernorm, eps):
-        return _f32(x, 2, x.shape[0])
+        return _stats_fake(x, x.shape[0])
 
     @torch.library.register_fake("coda::fold_norm_weight")
     def _(weight, gamma, beta, bias, layernorm):
@@ -59,7 +65,7 @@ if _kernels.available():
 
     def _state_fake(x, n, stats, folded, layernorm):
         m = x.shape[0]
-        return (_f32(x) if stats is not None else _f32(x, 2, m),
+        return (_f32(x) if stats is not None else _stats_fake(x, m),
                 _f32(x) if folded is not None or not layernorm else _f32(x, n),
                 _f32(x) if folded is not None else _f32(x, n))
 
@@ -97,7 +103,7 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::linear_residual")
     def _(x, weight, bias, residual, layernorm, eps):
-        return x.new_empty(x.shape[0], weight.shape[0]), _f32(x, 2, x.shape[0])
+        return x.new_empty(x.shape[0], weight.shape[0]), _stats_fake(x, x.shape[0])
 
 
 # ---- statistics: (2, rows) inside, (..., 2) outside
