@@ -238,6 +238,28 @@ struct Gemm {
     return e;
   }
 
+  // One cudaLaunchKernelExC with the cluster shape as a launch attribute:
+  // what GemmUniversalAdapter::run does, less the cudaFuncSetAttribute it
+  // repeats on every launch (clusters of 2 need no non-portable size).
+  static cudaError_t launch(typename Kernel::Params const& params, cudaStream_t stream) {
+    using Cluster = typename Tile::ClusterShape;
+    static_assert(cute::size(Cluster{}) <= 8, "a non-portable cluster size needs cudaFuncAttributeNonPortableClusterSizeAllowed");
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = cute::size<0>(Cluster{});
+    cluster.val.clusterDim.y = cute::size<1>(Cluster{});
+    cluster.val.clusterDim.z = cute::size<2>(Cluster{});
+    cudaLaunchConfig_t config{};
+    config.gridDim = Kernel::get_grid_shape(params);
+    config.blockDim = Kernel::get_block_shape();
+    config.dynamicSmemBytes = Kernel::SharedStorageSize;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    void* kernel_params[] = {const_cast<typename Kernel::Params*>(&params)};
+    return cudaLaunchKernelExC(&config, reinterpret_cast<void const*>(&cutlass::device_kernel<Kernel>), kernel_params);
+  }
+
   // Runs on p.workspace, which must hold workspace_size(p) bytes (see with_workspace).
   static Status run(GemmProblem const& p, typename EpilogueProgram::Arguments const& epilogue) {
     const int device = current_device();
@@ -262,11 +284,10 @@ struct Gemm {
     auto params = Kernel::to_underlying_arguments(args, p.workspace);
     params.epilogue.tma_store_d.cache_hint_ = epilogues::kStoreL2D;
     params.mainloop.alternate_k = p.alternate_k;
-    st = Device::run(params, p.stream);
-    e = cudaGetLastError();
-    if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("kernel launch: ") + cudaGetErrorString(e));
-    if (st != cutlass::Status::kSuccess) {
-      return detail::fail(Status::kKernelError, std::string("CUTLASS: ") + cutlassGetStatusString(st));
+    e = launch(params, p.stream);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      return detail::fail(Status::kCudaError, std::string("kernel launch: ") + cudaGetErrorString(e));
     }
     return Status::kSuccess;
   }

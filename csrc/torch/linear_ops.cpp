@@ -1,5 +1,7 @@
 // The Linear and MLP fused ops, forward and backward, each one call from
 // Python that launches every kernel of its direction.
+#include <atomic>
+
 #include "kernels.h"
 #include "tensors.h"
 
@@ -43,12 +45,23 @@ Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activatio
   return dx;
 }
 
+namespace {
+int sm_count(int device) {  // asked once per device
+  static std::atomic<int> counts[64];
+  if (device < 0 || device >= 64) return 0;
+  int n = counts[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    counts[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+}  // namespace
+
 // dw = dyᵀ·x: coda's kernel, or cuBLAS where its tiles would leave most SMs
 // idle (kernels::prefer_vendor_gemm).
 Tensor wgrad_of(const Tensor& dy, const Tensor& x) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int sms = sm_count(c10::cuda::current_device());
   if (kernels::prefer_vendor_gemm(kernels::Program::kWgradStore, dy.size(1), x.size(1), dy.size(0), sms)) {
     return at::mm(dy.t(), x);
   }
@@ -98,8 +111,9 @@ std::tuple<Tensor, Tensor> linear(const Tensor& x_, const Tensor& weight, const 
   expect(!r || (r->size(0) == m && r->size(1) == n), "linear: residual must be (M, N)");
   const Activation act = activation_of(activation);
   const bool save = save_pre_act && act != Activation::kIdentity;
-  Tensor y = empty2(m, n, x), h = save ? empty2(m, n, x) : none(x);
-  forward(x, w, vec(bias), r, act, y, save ? &h : nullptr);
+  Tensor y = empty_rows_of(x_, n), h = save ? empty_rows_of(x_, n) : none(x);
+  Tensor h2 = save ? flat(h) : h;
+  forward(x, w, vec(bias), r, act, flat(y), save ? &h2 : nullptr);
   return {y, h};
 }
 
@@ -115,7 +129,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_backward(const Tensor& dy_, const Tens
   // A lone Linear gets dy from outside: act' needs its own pass here, which
   // also reduces the bias gradient (coda::mlp folds both into fc2's dgrad).
   auto [dh, db] = act_grad_of(dy, rows(pre_act), act, needs[2]);
-  Tensor dx = needs[0] ? dgrad_of(dh, w, std::nullopt, Activation::kIdentity, Tensor()) : none(dy);
+  Tensor dx = needs[0] ? dgrad_of(dh, w, std::nullopt, Activation::kIdentity, Tensor()).view(x_.sizes()) : none(dy);
   Tensor dw = needs[1] ? wgrad_of(dh, x) : none(dy);
   return {dx, dw, or_none(db, dy)};
 }
@@ -132,8 +146,8 @@ std::tuple<Tensor, Tensor, Tensor> mlp(const Tensor& x_, const Tensor& w1_, cons
   const bool save_h = save && act != Activation::kIdentity;
   Tensor a1 = empty2(m, f, x), h1 = save_h ? empty2(m, f, x) : none(x);
   forward(x, w1, vec(b1), std::nullopt, act, a1, save_h ? &h1 : nullptr);
-  Tensor y = empty2(m, e, x);
-  forward(a1, w2, vec(b2), r, Activation::kIdentity, y, nullptr);
+  Tensor y = empty_rows_of(x_, e);
+  forward(a1, w2, vec(b2), r, Activation::kIdentity, flat(y), nullptr);
   return {y, h1, save ? a1 : none(x)};
 }
 
@@ -153,7 +167,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dy
     OptTensor h = act == Activation::kIdentity ? OptTensor() : OptTensor(rows(h1));
     Tensor dh1 = dgrad_of(dy, w2, h, act, needs[2] ? db1 : Tensor());
     if (needs[1]) dw1 = wgrad_of(dh1, x);
-    if (needs[0]) dx = dgrad_of(dh1, w1, std::nullopt, Activation::kIdentity, Tensor());
+    if (needs[0]) dx = dgrad_of(dh1, w1, std::nullopt, Activation::kIdentity, Tensor()).view(x_.sizes());
   }
   return {dx, dw1, db1, dw2, db2};
 }

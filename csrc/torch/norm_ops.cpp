@@ -154,8 +154,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear(
   const bool save = save_pre_act && act != Activation::kIdentity;
   Tensor st = stats_for(x, stats, layernorm, eps);
   Fold f = fold_for(w, norm_weight, norm_bias, bias, folded, col_sum, shift, layernorm);
-  Tensor y = empty2(x.size(0), w.size(0), x), h = save ? empty2(x.size(0), w.size(0), x) : none(x);
-  norm_forward(x, f, st, layernorm, eps, act, y, save ? &h : nullptr);
+  Tensor y = empty_rows_of(x_, w.size(0)), h = save ? empty_rows_of(x_, w.size(0)) : none(x);
+  Tensor h2 = save ? flat(h) : h;
+  norm_forward(x, f, st, layernorm, eps, act, flat(y), save ? &h2 : nullptr);
   return {y, h, stats ? none_f32(x) : st, folded ? none_f32(x) : or_none_f32(f.col_sum, x),
           folded ? none_f32(x) : f.shift};
 }
@@ -194,7 +195,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_backward(
   NormGrads g = norm_dgrad_of(dp, w, x, stats_rows(stats), layernorm, norm_weight, norm_bias, c1, c2, std::nullopt, needs[3],
                               needs[1] || needs[2]);
   Tensor dw = needs[3] ? wgrad_of(dp, g.normalized) : none(dy);
-  return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
+  return {needs[0] ? g.dx.view(x_.sizes()) : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
           needs[2] ? or_none(g.dbeta, dy) : none(dy), dw, or_none(db, dy)};
 }
 
@@ -217,7 +218,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
   Fold fo = fold_for(w1, norm_weight, norm_bias, b1, folded, col_sum, shift, layernorm);
   Tensor a1 = empty2(m, f, x), h1 = save_h ? empty2(m, f, x) : none(x);
   norm_forward(x, fo, st, layernorm, eps, act, a1, save_h ? &h1 : nullptr);
-  Tensor y = empty2(m, e, x);
+  Tensor y_ = empty_rows_of(x_, e), y = flat(y_);
   LinearArgs a;
   a.m = m; a.n = e; a.k = f;
   a.x = a1.data_ptr(); a.ldx = a1.stride(0);
@@ -228,7 +229,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
   a.ld_residual = r ? r->stride(0) : 0;
   a.y = y.data_ptr(); a.ldy = y.stride(0);
   call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);
-  return {y, h1, save ? a1 : none(x), stats ? none_f32(x) : st,
+  return {y_, h1, save ? a1 : none(x), stats ? none_f32(x) : st,
           folded ? none_f32(x) : or_none_f32(fo.col_sum, x), folded ? none_f32(x) : fo.shift};
 }
 
@@ -269,7 +270,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_back
   NormGrads g = norm_dgrad_of(dh1, w1, x, stats_rows(stats), layernorm, norm_weight, norm_bias, c1, c2,
                               add_input ? OptTensor(dy) : std::nullopt, needs[3], needs[1] || needs[2]);
   Tensor dw1 = needs[3] ? wgrad_of(dh1, g.normalized) : none(dy);
-  return {needs[0] ? g.dx : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
+  return {needs[0] ? g.dx.view(x_.sizes()) : none(dy), needs[1] ? or_none(g.dgamma, dy) : none(dy),
           needs[2] ? or_none(g.dbeta, dy) : none(dy), dw1, or_none(db1, dy), dw2, db2};
 }
 
@@ -282,7 +283,7 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
   expect(w.size(1) == x.size(1) && r.size(0) == m && r.size(1) == n,
          "linear_residual: weight must be (N, K) for x (M, K), residual (M, N)");
   OptTensor b = vec(bias);
-  Tensor y = empty2(m, n, x), st = stats_buffer(m, x);
+  Tensor y_ = empty_rows_of(x_, n), y = flat(y_), st = stats_buffer(m, x);
   LinearResidualArgs a;
   a.m = m; a.n = n; a.k = x.size(1);
   a.x = x.data_ptr(); a.ldx = x.stride(0);
@@ -295,7 +296,7 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
   a.mean = st.data_ptr<float>();
   a.rstd = st.data_ptr<float>() + st.stride(0);
   call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
-  return {y, st};
+  return {y_, st};
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <vector>
 #include <optional>
 
 #include "coda/coda.h"
@@ -58,6 +59,17 @@ inline const float* f32_ptr(const OptTensor& t) { return t && t->numel() ? t->da
 inline void expect(bool ok, const char* what) { TORCH_CHECK(ok, "coda: ", what); }
 
 inline Tensor empty2(int64_t m, int64_t n, const Tensor& like) { return at::empty({m, n}, like.options()); }
+
+// The ops take and return (..., features) as F.linear does, so that Python
+// needs no reshape (and autograd no view node) around them: an output is
+// allocated in x's leading shape with n features, and the kernels write it
+// through its (rows, n) view.
+inline Tensor empty_rows_of(const Tensor& x, int64_t n) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  return at::empty(shape, x.options());
+}
+inline Tensor flat(const Tensor& t) { return t.view({-1, t.size(-1)}); }
 inline Tensor empty1(int64_t n, const Tensor& like) { return at::empty({n}, like.options()); }
 inline Tensor f32(at::IntArrayRef shape, const Tensor& like) { return at::empty(shape, like.options().dtype(at::kFloat)); }
 // Row statistics: (2, M) fp32, row 0 the mean, row 1 rstd, each row a

@@ -8,6 +8,7 @@ here), and a reference path of plain torch code for what has no kernel.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from .. import _activations, _kernels
 from . import _checks
-from ._common import autocast, first_order, needs_grad, rows
+from ._common import autocast, first_order, needs_grad
 
 __all__ = ["linear", "mlp"]
 
@@ -29,9 +30,9 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::linear")
     def _(x, weight, bias, residual, activation, save_pre_act):
-        m, n = x.shape[0], weight.shape[0]
+        out = (*x.shape[:-1], weight.shape[0])
         save = save_pre_act and activation != _activations.IDENTITY
-        return x.new_empty(m, n), (x.new_empty(m, n) if save else _empty(x))
+        return x.new_empty(out), (x.new_empty(out) if save else _empty(x))
 
     @torch.library.register_fake("coda::linear_backward")
     def _(dy, x, weight, pre_act, activation, needs):
@@ -40,9 +41,9 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::mlp")
     def _(x, w1, b1, w2, b2, residual, activation, save):
-        m, f = x.shape[0], w1.shape[0]
+        m, f = math.prod(x.shape[:-1]), w1.shape[0]
         save_h = save and activation != _activations.IDENTITY
-        return x.new_empty(m, w2.shape[0]), (x.new_empty(m, f) if save_h else _empty(x)), \
+        return x.new_empty(*x.shape[:-1], w2.shape[0]), (x.new_empty(m, f) if save_h else _empty(x)), \
             (x.new_empty(m, f) if save else _empty(x))
 
     @torch.library.register_fake("coda::mlp_backward")
@@ -96,11 +97,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
     _checks.like("weight", weight, x, op)
     if bias is not None:
         _checks.like("bias", bias, x, op)
-    out_shape = (*x.shape[:-1], weight.shape[0])
     if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], weight.shape[0])):
         return linear_reference(x, weight, bias, activation)
-    y = _Linear.apply(rows(x), weight, bias, act, needs_grad(x, weight, bias))
-    return y.reshape(out_shape)
+    if not needs_grad(x, weight, bias):  # no autograd node to build: the op alone
+        return torch.ops.coda.linear(x, weight, bias, None, act, False)[0]
+    return _Linear.apply(x, weight, bias, act, True)
 
 
 # ---- mlp: y = fc2(act(fc1(x))) + residual
@@ -157,6 +158,6 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
             _checks.like(name, t, x, op)
     if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], w1.shape[0], w2.shape[0])):
         return mlp_reference(x, w1, b1, w2, b2, activation, residual)
-    y = _MLP.apply(rows(x), w1, b1, w2, b2, None if residual is None else rows(residual), act,
-                   needs_grad(x, w1, b1, w2, b2, residual))
-    return y.reshape(out_shape)
+    if not needs_grad(x, w1, b1, w2, b2, residual):
+        return torch.ops.coda.mlp(x, w1, b1, w2, b2, residual, act, False)[0]
+    return _MLP.apply(x, w1, b1, w2, b2, residual, act, True)

@@ -19,6 +19,7 @@ tensor so that the kernels read each column as a contiguous vector.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -56,7 +57,7 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::row_stats")
     def _(x, layernorm, eps):
-        return _stats_fake(x, x.shape[0])
+        return _stats_fake(x, math.prod(x.shape[:-1]))
 
     @torch.library.register_fake("coda::fold_norm_weight")
     def _(weight, gamma, beta, bias, layernorm):
@@ -64,7 +65,7 @@ if _kernels.available():
         return weight.new_empty(weight.shape), _f32(weight, n if layernorm else 0), _f32(weight, n)
 
     def _state_fake(x, n, stats, folded, layernorm):
-        m = x.shape[0]
+        m = math.prod(x.shape[:-1])
         return (_f32(x) if stats is not None else _stats_fake(x, m),
                 _f32(x) if folded is not None or not layernorm else _f32(x, n),
                 _f32(x) if folded is not None else _f32(x, n))
@@ -72,10 +73,10 @@ if _kernels.available():
     @torch.library.register_fake("coda::norm_linear")
     def _(x, norm_weight, norm_bias, weight, bias, stats, folded, col_sum, shift, layernorm, eps, activation,
           save_pre_act):
-        m, n = x.shape[0], weight.shape[0]
+        out = (*x.shape[:-1], weight.shape[0])
         save = save_pre_act and activation != _activations.IDENTITY
-        return (x.new_empty(m, n), x.new_empty(m, n) if save else x.new_empty(0),
-                *_state_fake(x, n, stats, folded, layernorm))
+        return (x.new_empty(out), x.new_empty(out) if save else x.new_empty(0),
+                *_state_fake(x, weight.shape[0], stats, folded, layernorm))
 
     @torch.library.register_fake("coda::norm_linear_backward")
     def _(dy, x, norm_weight, norm_bias, weight, pre_act, stats, col_sum, shift, layernorm, activation, needs):
@@ -87,9 +88,9 @@ if _kernels.available():
     @torch.library.register_fake("coda::norm_mlp")
     def _(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual, add_input, layernorm,
           eps, activation, save):
-        m, f = x.shape[0], w1.shape[0]
+        m, f = math.prod(x.shape[:-1]), w1.shape[0]
         save_h = save and activation != _activations.IDENTITY
-        return (x.new_empty(m, w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
+        return (x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
                 x.new_empty(m, f) if save else x.new_empty(0), *_state_fake(x, f, stats, folded, layernorm))
 
     @torch.library.register_fake("coda::norm_mlp_backward")
@@ -103,7 +104,7 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::linear_residual")
     def _(x, weight, bias, residual, layernorm, eps):
-        return x.new_empty(x.shape[0], weight.shape[0]), _stats_fake(x, x.shape[0])
+        return x.new_empty(*x.shape[:-1], weight.shape[0]), _stats_fake(x, math.prod(x.shape[:-1]))
 
 
 # ---- statistics: (2, rows) inside, (..., 2) outside
@@ -261,13 +262,14 @@ def _norm_linear(op, x, norm_weight, norm_bias, weight, bias, eps, activation, s
     for name, t in (("norm_weight", norm_weight), ("norm_bias", norm_bias), ("weight", weight), ("bias", bias)):
         if t is not None:
             _checks.like(name, t, x, op)
-    out_shape = (*x.shape[:-1], weight.shape[0])
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0])):
         n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
         return linear_reference(n, weight, bias, activation)
-    y = _NormLinear.apply(rows(x), norm_weight, norm_bias, weight, bias, _to_rows(stats), *_fold_args(folded),
-                          layernorm, eps, act, needs_grad(x, norm_weight, norm_bias, weight, bias))
-    return y.reshape(out_shape)
+    if not needs_grad(x, norm_weight, norm_bias, weight, bias):
+        return torch.ops.coda.norm_linear(x, norm_weight, norm_bias, weight, bias, _to_rows(stats), *_fold_args(folded),
+                                          layernorm, eps, act, False)[0]
+    return _NormLinear.apply(x, norm_weight, norm_bias, weight, bias, _to_rows(stats), *_fold_args(folded),
+                             layernorm, eps, act, True)
 
 
 def layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], weight: Tensor,
@@ -373,10 +375,12 @@ def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Te
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], w1.shape[0], w2.shape[0])):
         n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
         return mlp_reference(n, w1, b1, w2, b2, activation, residual)
-    res = None if residual is None or add_input else rows(residual)
-    y = _NormMLP.apply(rows(x), norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats), *_fold_args(folded), res,
-                       add_input, layernorm, eps, act, needs_grad(x, norm_weight, norm_bias, w1, b1, w2, b2, res))
-    return y.reshape(out_shape)
+    res = None if add_input else residual
+    if not needs_grad(x, norm_weight, norm_bias, w1, b1, w2, b2, res):
+        return torch.ops.coda.norm_mlp(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats), *_fold_args(folded),
+                                       res, add_input, layernorm, eps, act, False)[0]
+    return _NormMLP.apply(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats), *_fold_args(folded), res,
+                          add_input, layernorm, eps, act, True)
 
 
 # ---- residual-reduce: Y = x·Wᵀ + b + R and the next norm's row statistics
@@ -427,6 +431,8 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0])):
         y = F.linear(x, weight, bias) + residual
         return y, _to_user(_row_stats_reference(rows(y), layernorm, eps), out_shape[:-1])
-    y, st = _LinearResidual.apply(rows(x), weight, bias, rows(residual), layernorm, eps,
-                                  needs_grad(x, weight, bias, residual))
-    return y.reshape(out_shape), _to_user(st, out_shape[:-1])
+    if not needs_grad(x, weight, bias, residual):
+        y, st = torch.ops.coda.linear_residual(x, weight, bias, residual, layernorm, eps)
+    else:
+        y, st = _LinearResidual.apply(x, weight, bias, residual, layernorm, eps, True)
+    return y, _to_user(st, out_shape[:-1])
