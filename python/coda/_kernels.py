@@ -95,7 +95,7 @@ def use_kernels(op: str, x: torch.Tensor, dtypes: Sequence[torch.dtype], sizes: 
     op and reason, where a CUDA call falls back. No rows: nothing to compute."""
     reason = why_not(x, dtypes, sizes)
     if reason is None:
-        return x.shape[0] > 0
+        return x.numel() > 0
     if reason != "cpu":
         fallback(op, reason)
     return False

@@ -108,11 +108,11 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
 
 class _MLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, residual, activation: int, save: bool):
-        y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, residual, activation, save)
+    def forward(ctx, x, w1, b1, w2, b2, residual, add_input: bool, activation: int, save: bool):
+        y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, x if add_input else residual, activation, save)
         if save:
             ctx.save_for_backward(x, w1, w2, a1 if activation == _activations.IDENTITY else h1, a1)
-        ctx.activation = activation
+        ctx.activation, ctx.add_input = activation, add_input
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         return y
 
@@ -123,8 +123,10 @@ class _MLP(torch.autograd.Function):
         nb1, nb2 = nb1 and ctx.has_b1, nb2 and ctx.has_b2
         dx, dw1, db1, dw2, db2 = torch.ops.coda.mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation,
                                                              [nx, nw1, nb1, nw2, nb2])
+        if nx and ctx.add_input:
+            dx.add_(dy)
         return first_order("mlp", (dx if nx else None, dw1 if nw1 else None, db1 if nb1 else None,
-                                   dw2 if nw2 else None, db2 if nb2 else None, dy if nres else None, None, None))
+                                   dw2 if nw2 else None, db2 if nb2 else None, dy if nres else None, None, None, None))
 
 
 def mlp_reference(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
@@ -152,7 +154,10 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     if residual is not None:
         _checks.matrix_like("residual", residual, out_shape, op)
     act = _activations.code(activation)
+    add_input = residual is x  # one tensor twice is not a valid autograd.Function input under torch.compile
     x, w1, b1, w2, b2, residual = autocast(x, w1, b1, w2, b2, residual)
+    if add_input:
+        residual = x
     for name, t in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2), ("residual", residual)):
         if t is not None:
             _checks.like(name, t, x, op)
@@ -160,4 +165,4 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         return mlp_reference(x, w1, b1, w2, b2, activation, residual)
     if not needs_grad(x, w1, b1, w2, b2, residual):
         return torch.ops.coda.mlp(x, w1, b1, w2, b2, residual, act, False)[0]
-    return _MLP.apply(x, w1, b1, w2, b2, residual, act, True)
+    return _MLP.apply(x, w1, b1, w2, b2, None if add_input else residual, add_input, act, True)

@@ -387,11 +387,11 @@ def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Te
 
 class _LinearResidual(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, layernorm: bool, eps: float, save: bool):
-        y, st = torch.ops.coda.linear_residual(x, weight, bias, residual, layernorm, eps)
+    def forward(ctx, x, weight, bias, residual, add_input: bool, layernorm: bool, eps: float, save: bool):
+        y, st = torch.ops.coda.linear_residual(x, weight, bias, x if add_input else residual, layernorm, eps)
         if save:
             ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.add_input = bias is not None, add_input
         ctx.mark_non_differentiable(st)
         return y, st
 
@@ -401,9 +401,11 @@ class _LinearResidual(torch.autograd.Function):
         need = ctx.needs_input_grad
         dx, dw, db = torch.ops.coda.linear_backward(dy, x, weight, None, _activations.IDENTITY,
                                                     [need[0], need[1], ctx.has_bias and need[2]])
+        if need[0] and ctx.add_input:
+            dx.add_(dy)
         return first_order("linear_residual", (dx if need[0] else None, dw if need[1] else None,
                                                db if ctx.has_bias and need[2] else None, dy if need[3] else None,
-                                               None, None, None))
+                                               None, None, None, None))
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor,
@@ -424,7 +426,10 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     _checks.matrix_like("residual", residual, out_shape, op)
     layernorm = _checks.layernorm(normalization, op)
     eps = _checks.eps_of(eps, layernorm, x, op)
+    add_input = residual is x  # as in mlp: no tensor twice into one autograd.Function
     x, weight, bias, residual = autocast(x, weight, bias, residual)
+    if add_input:
+        residual = x
     for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
         if t is not None:
             _checks.like(name, t, x, op)
@@ -434,5 +439,5 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     if not needs_grad(x, weight, bias, residual):
         y, st = torch.ops.coda.linear_residual(x, weight, bias, residual, layernorm, eps)
     else:
-        y, st = _LinearResidual.apply(x, weight, bias, residual, layernorm, eps, True)
+        y, st = _LinearResidual.apply(x, weight, bias, None if add_input else residual, add_input, layernorm, eps, True)
     return y, _to_user(st, out_shape[:-1])
