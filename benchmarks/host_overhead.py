@@ -72,6 +72,8 @@ def main():
         "C.linear gelu save": lambda: C.linear(x, w, b, None, 1, True),
         "C.linear_backward dx": lambda: C.linear_backward(dy, x, w, None, 0, [True, False, False]),
         "C.linear_backward dx,dw,db": lambda: C.linear_backward(dy, x, w, None, 0, [True, True, True]),
+        "C.linear_backward dw": lambda: C.linear_backward(dy, x, w, None, 0, [False, True, False]),
+        "torch.mm(dy.t(), x) (a wgrad)": lambda: torch.mm(dy.t(), x),
         "C.linear_residual": lambda: C.linear_residual(x, w, b, x, True, 1e-5),
         "C.norm_linear (stats+fold+GEMM)": lambda: C.norm_linear(x, g, beta, w1, b1, None, None, None, None, True,
                                                                  1e-5, 0, False),

@@ -35,7 +35,7 @@ def main(argv) -> int:
     if not common.gpu_or_say("sweep"):
         return 0
     r = common.runner(args)
-    out = common.Results(args, "sweep", r)
+    out = common.Results(args, f"sweep-t{args.tokens}-d{args.hidden}", r)
     only = args.cases.split(",") if args.cases else None
     wanted = _ints(args.configs) if args.configs else None
     t = gemms.inputs(args.tokens, args.hidden, args.ffn)

@@ -63,6 +63,7 @@ Choice choose(Program p, DType t, int64_t /*m*/, int64_t n, int64_t k) {
 // more coda's own ran 0.98-0.99x cuBLAS's (16,384 x 4096, benchmarks/NOTES.md).
 bool prefer_vendor_gemm(Program p, int64_t m, int64_t n, int64_t /*k*/, int sms) {
   if (p != Program::kWgradStore) return false;
+  if (override_config.load(std::memory_order_relaxed) >= 0) return false;  // an override times coda's own kernel
   const int64_t tiles = ((m + 127) / 128) * ((n + 255) / 256);
   return tiles < 2 * int64_t(sms);
 }

@@ -28,6 +28,9 @@ const char* config_name(Config c) {
   switch (c) {
     case Config::kCooperative128x256: return "cooperative_128x256_2x1";
     case Config::kPingpong128x128: return "pingpong_128x128_1x2";
+    case Config::kCooperative256x128: return "cooperative_256x128_1x2";
+    case Config::kCooperative128x128: return "cooperative_128x128_1x2";
+    case Config::kPingpong64x128: return "pingpong_64x128_1x2";
   }
   return "unknown";
 }

@@ -60,6 +60,12 @@ template <>
 struct TileConfig<Config::kCooperative128x256> : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>> {};
 template <>
 struct TileConfig<Config::kPingpong128x128> : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative256x128> : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kCooperative128x128> : CooperativeTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>> {};
+template <>
+struct TileConfig<Config::kPingpong64x128> : PingpongTile<cute::Shape<_64, _128, _64>, cute::Shape<_1, _2, _1>> {};
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.

@@ -16,8 +16,12 @@ namespace coda::kernels {
 enum class Config : int {
   kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
+  // Sweep candidates for small problems (benchmarks/sweep.py, CODA_EXTRA_KERNELS):
+  kCooperative256x128 = 2,  // 256x128x64 tile, 1x2 cluster, cooperative (cuBLAS's pick at d = 1024)
+  kCooperative128x128 = 3,  // 128x128x64 tile, 1x2 cluster, cooperative
+  kPingpong64x128 = 4,      // 64x128x64 tile, 1x2 cluster, ping-pong
 };
-constexpr int kConfigCount = 2;
+constexpr int kConfigCount = 5;
 const char* config_name(Config c);
 
 // The epilogue programs (cutlass_epilogues/), one kernel family each, with
