@@ -29,11 +29,37 @@ Config first_built(Program p, DType t, std::initializer_list<Config> order) {
   return *order.begin();
 }
 
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// CUTLASS's sm90 tile scheduler caps the swizzle by the smaller of the two
+// CTA counts (get_log_swizzle_size), then rounds both counts up to a multiple
+// of swizzle x cluster and runs every padded tile: its mainloop loads zeros
+// and its MMAs run. The scheduler's tile count for a swizzle cap `s`.
+int64_t scheduled_tiles(int64_t bm, int64_t bn, const TileShape2& t, int s) {
+  const int64_t smaller = bm < bn ? bm : bn;
+  const int eff = s >= 8 && smaller >= 6 ? 8 : (s >= 4 && smaller >= 3 ? 4 : (s >= 2 && smaller >= 2 ? 2 : 1));
+  return round_up(bm, eff * t.cluster_m) * round_up(bn, eff * t.cluster_n);
+}
+
+// The widest swizzle (8 groups the tiles that share operands in L2, best or
+// tied at 16,384 x 4096) that pads the problem by at most 1/32 more tiles
+// than no swizzle does. Swizzle 8 with a 1x2 cluster pads N to 16 tiles:
+// at N = 1024 (8 tiles of 128) that ran every GEMM twice over, at N = 1536
+// and 3072 a third more (benchmarks/NOTES.md).
+int swizzle_for(Config c, int64_t m, int64_t n) {
+  const TileShape2 t = tile_shape(c);
+  const int64_t bm = (m + t.tile_m - 1) / t.tile_m, bn = (n + t.tile_n - 1) / t.tile_n;
+  const int64_t floor = scheduled_tiles(bm, bn, t, 1);
+  for (int s : {8, 4, 2}) {
+    if (scheduled_tiles(bm, bn, t, s) * 32 <= floor * 33) return s;
+  }
+  return 1;
+}
+
 }  // namespace
 
-Choice choose(Program p, DType t, int64_t /*m*/, int64_t n, int64_t k) {
+Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
   Choice c;
-  c.swizzle = 8;  // best or tied everywhere measured, in time and energy
   if (is_forward(p)) {
     // Forwards with N >= K (fc1, QKV, o-proj) hide their epilogue behind the
     // other warp group's mainloop; N < K (fc2) runs cooperative.
@@ -49,6 +75,7 @@ Choice choose(Program p, DType t, int64_t /*m*/, int64_t n, int64_t k) {
   }
   const int oc = override_config.load(std::memory_order_relaxed);
   if (oc >= 0 && oc < kConfigCount && is_built(p, t, static_cast<Config>(oc))) c.config = static_cast<Config>(oc);
+  c.swizzle = swizzle_for(c.config, m, n);
   const int orr = override_raster.load(std::memory_order_relaxed);
   if (orr >= 0) c.raster = orr;
   const int os = override_swizzle.load(std::memory_order_relaxed);

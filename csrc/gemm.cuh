@@ -159,6 +159,10 @@ struct Gemm {
   using Element = typename ElementOf<T>::type;
   using Tile = TileConfig<C>;
   using TileShape = typename Tile::TileShape;
+  static_assert(tile_shape(C).tile_m == cute::size<0>(TileShape{}) && tile_shape(C).tile_n == cute::size<1>(TileShape{}) &&
+                    tile_shape(C).cluster_m == cute::size<0>(typename Tile::ClusterShape{}) &&
+                    tile_shape(C).cluster_n == cute::size<1>(typename Tile::ClusterShape{}),
+                "kernels.h tile_shape() disagrees with TileConfig");
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;
   using LayoutD = cutlass::layout::RowMajor;
 

@@ -24,6 +24,22 @@ enum class Config : int {
 constexpr int kConfigCount = 5;
 const char* config_name(Config c);
 
+// A configuration's output tile and cluster, in CTAs (gemm.cuh asserts they
+// match TileConfig): what the kernel choice needs to count a problem's tiles.
+struct TileShape2 {
+  int tile_m, tile_n, cluster_m, cluster_n;
+};
+constexpr TileShape2 tile_shape(Config c) {
+  switch (c) {
+    case Config::kCooperative128x256: return {128, 256, 2, 1};
+    case Config::kPingpong128x128: return {128, 128, 1, 2};
+    case Config::kCooperative256x128: return {256, 128, 1, 2};
+    case Config::kCooperative128x128: return {128, 128, 1, 2};
+    case Config::kPingpong64x128: return {64, 128, 1, 2};
+  }
+  return {128, 256, 2, 1};
+}
+
 // The epilogue programs (cutlass_epilogues/), one kernel family each, with
 // the operand layouts of the GEMM they run in (kernels.cuh).
 enum class Program : int {

@@ -17,7 +17,7 @@
 # SCRIPTS="variants.py --variant raster=2;max_autotune.py" runs those benchmarks/
 # scripts, each with --out OUT_DIR, after the benchmarks in every mode.
 # (no mode): tests, C++ example, coda.bench, then benchmarks/sweep.py (SWIZZLES,
-#   SWEEP_ARGS); --quick leaves the sweep out.
+#   SWEEP_ARGS, SWEEP_SHAPES="tokens:d:ffn ..."); --quick leaves the sweep out.
 # --sweep: the tests (SWEEP_TESTS=0 leaves them out), again under each override in
 #   CODA_TEST_TUNING="config,raster,swizzle ..." before anything is timed, the per-kernel
 #   breakdown (SWEEP_BREAKDOWN=0 leaves it out), coda.bench where BENCH_ARGS is set, the sweep.
@@ -107,11 +107,17 @@ run_scripts() {
 
 # The configuration sweep, killed after SWEEP_TIMEOUT seconds: a candidate that hangs
 # is stopped, and the results file holds every case finished before it.
+# SWEEP_SHAPES="tokens:d:ffn ..." runs it once per shape (each its own results file).
 run_sweep() {
-  step "kernel-configuration sweep, swizzles ${SWIZZLES:-8}"
-  timeout -k 10 "${SWEEP_TIMEOUT:-420}" python3 benchmarks/sweep.py --swizzles "${SWIZZLES:-8}" --out "$OUT" \
-    ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1 || status=1
-  tail -120 "$OUT/sweep.log"
+  local shapes=${SWEEP_SHAPES:-default} shape
+  for shape in $shapes; do
+    step "kernel-configuration sweep, swizzles ${SWIZZLES:-8}, shape $shape"
+    local dims=()
+    [ "$shape" != default ] && IFS=: read -r tk hd ff <<< "$shape" && dims=(--tokens "$tk" --hidden "$hd" --ffn "$ff")
+    timeout -k 10 "${SWEEP_TIMEOUT:-420}" python3 benchmarks/sweep.py --swizzles "${SWIZZLES:-8}" --out "$OUT" \
+      "${dims[@]}" ${SWEEP_ARGS:-} >> "$OUT/sweep.log" 2>&1 || status=1
+  done
+  grep -E "cublas|auto" "$OUT/sweep.log" | tail -120
 }
 
 # Nsight Compute on each variant in PROFILE_VARIANTS, one report in profile.log.
