@@ -61,10 +61,19 @@ int swizzle_for(Config c, int64_t m, int64_t n) {
 Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
   Choice c;
   if (is_forward(p)) {
-    // Forwards with N >= K (fc1, QKV, o-proj) hide their epilogue behind the
-    // other warp group's mainloop; N < K (fc2) runs cooperative.
-    c.config = n >= k ? first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256})
-                      : first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+    // Ping-pong hides one warp group's epilogue behind the other's mainloop:
+    // at 8,192 x d 1024-2048 and 2,048 x d 4096 it ran every forward 0.93-1.11x
+    // cuBLAS (swizzle as below), the cooperative 128x256 tiles 1.04-1.6x.
+    // fc2's shape (N < K) at 16,384 x 4096 is the exception, 1.028x against
+    // 1.055x. With K <= 1024 (16 k-blocks a tile) the cooperative 128x128
+    // tiles beat both for the plain forward: fc1 at d 1024 1.34x against 1.61x.
+    if (k <= 1024 && p == Program::kLinearAct && is_built(p, t, Config::kCooperative128x128)) {
+      c.config = Config::kCooperative128x128;
+    } else if (n < k && m * n >= (int64_t(1) << 26)) {
+      c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+    } else {
+      c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
+    }
     c.raster = 1;
   } else if (is_dgrad(p)) {
     c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
@@ -83,14 +92,18 @@ Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
   return c;
 }
 
-// coda's value is the epilogue; a wgrad has none. Its 128x256 tiles over
-// (out features, in features) are few where the features are (d = 1024:
-// QKV's wgrad 96 tiles, o-proj's 32, on 132 SMs), each a long K = tokens
-// loop, and most SMs idle; cuBLAS splits such GEMMs. With two full waves or
-// more coda's own ran 0.98-0.99x cuBLAS's (16,384 x 4096, benchmarks/NOTES.md).
+// coda's value is the epilogue; a plain GEMM has none. A wgrad's 128x256
+// tiles over (out features, in features) are few where the features are
+// (d = 1024: QKV's wgrad 96 tiles, o-proj's 32, on 132 SMs), each a long
+// K = tokens loop, and most SMs idle; cuBLAS splits such GEMMs. With two full
+// waves or more coda's own ran 0.98-0.99x cuBLAS's (16,384 x 4096). A plain
+// dgrad (no activation, no bias gradient) ran 1.03-1.12x cuBLAS at 8,192 x
+// d 1024-2048 and 2,048 x d 4096, 0.97-1.02x at 16,384 x 4096: cuBLAS's
+// everywhere (benchmarks/NOTES.md).
 bool prefer_vendor_gemm(Program p, int64_t m, int64_t n, int64_t /*k*/, int sms) {
-  if (p != Program::kWgradStore) return false;
   if (override_config.load(std::memory_order_relaxed) >= 0) return false;  // an override times coda's own kernel
+  if (p == Program::kDActDBias) return true;
+  if (p != Program::kWgradStore) return false;
   const int64_t tiles = ((m + 127) / 128) * ((n + 255) / 256);
   return tiles < 2 * int64_t(sms);
 }

@@ -16,9 +16,9 @@ namespace coda::kernels {
 enum class Config : int {
   kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
   kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
+  kCooperative128x128 = 3,  // 128x128x64 tile, 1x2 cluster, cooperative (forwards with K <= 1024)
   // Sweep candidates for small problems (benchmarks/sweep.py, CODA_EXTRA_KERNELS):
   kCooperative256x128 = 2,  // 256x128x64 tile, 1x2 cluster, cooperative (cuBLAS's pick at d = 1024)
-  kCooperative128x128 = 3,  // 128x128x64 tile, 1x2 cluster, cooperative
   kPingpong64x128 = 4,      // 64x128x64 tile, 1x2 cluster, ping-pong
 };
 constexpr int kConfigCount = 5;
@@ -173,8 +173,9 @@ struct Choice {
 // override (set_override) where that configuration is built.
 Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k);
 
-// Whether a plain GEMM of program P (no epilogue work: the wgrad) is better
-// left to the vendor library (cuBLAS) on a device of `sms` multiprocessors.
+// Whether a plain GEMM of program P (no epilogue work: the wgrad, or a dgrad
+// with no activation and no bias gradient) is better left to the vendor
+// library (cuBLAS) on a device of `sms` multiprocessors.
 bool prefer_vendor_gemm(Program p, int64_t m, int64_t n, int64_t k, int sms);
 
 // The listed kernel of (P, dtype, config), counted (launch_count); an

@@ -114,7 +114,7 @@ run_sweep() {
     step "kernel-configuration sweep, swizzles ${SWIZZLES:-8}, shape $shape"
     local dims=()
     [ "$shape" != default ] && IFS=: read -r tk hd ff <<< "$shape" && dims=(--tokens "$tk" --hidden "$hd" --ffn "$ff")
-    timeout -k 10 "${SWEEP_TIMEOUT:-420}" python3 benchmarks/sweep.py --swizzles "${SWIZZLES:-8}" --out "$OUT" \
+    timeout -k 10 "${SWEEP_TIMEOUT:-420}" python3 benchmarks/sweep.py --swizzles="${SWIZZLES:-8}" --out "$OUT" \
       "${dims[@]}" ${SWEEP_ARGS:-} >> "$OUT/sweep.log" 2>&1 || status=1
   done
   grep -E "cublas|auto" "$OUT/sweep.log" | tail -120

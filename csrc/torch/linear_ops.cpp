@@ -28,9 +28,28 @@ void forward(const Tensor& x, const Tensor& w, const OptTensor& bias, const OptT
 
 }  // namespace
 
-// dx = (dy·w) ⊙ act'(h), and Σ_rows dx into `dbias` where it is defined.
+namespace {
+int sm_count(int device) {  // asked once per device
+  static std::atomic<int> counts[64];
+  if (device < 0 || device >= 64) return 0;
+  int n = counts[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    counts[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+}  // namespace
+
+// dx = (dy·w) ⊙ act'(h), and Σ_rows dx into `dbias` where it is defined: coda's
+// kernel, or cuBLAS's where there is no epilogue work (kernels::prefer_vendor_gemm).
 Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activation act, const Tensor& dbias) {
   const int64_t m = dy.size(0), n = w.size(1);
+  if (act == Activation::kIdentity && !dbias.defined() &&
+      kernels::prefer_vendor_gemm(kernels::Program::kDActDBias, m, n, dy.size(1),
+                                  sm_count(c10::cuda::current_device()))) {
+    return at::mm(dy, w);
+  }
   Tensor dx = empty2(m, n, dy);
   DgradArgs a;
   a.m = m; a.n = n; a.k = dy.size(1);
@@ -44,19 +63,6 @@ Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activatio
   call("dgrad", dtype_of(dy), a, dy, coda::dgrad, coda::dgrad_workspace_size);
   return dx;
 }
-
-namespace {
-int sm_count(int device) {  // asked once per device
-  static std::atomic<int> counts[64];
-  if (device < 0 || device >= 64) return 0;
-  int n = counts[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    counts[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-}  // namespace
 
 // dw = dyᵀ·x: coda's kernel, or cuBLAS where its tiles would leave most SMs
 // idle (kernels::prefer_vendor_gemm).

@@ -9,6 +9,9 @@ residual, LayerNorm -> GELU MLP + residual), forward and forward + backward, at
   compile   torch.compile of it, compiled once per case before timing
   liger     the eager code with Liger-Kernel's LayerNorm (where installed)
 `--only mlp`, `--only norm` run the MLP's and the norm ops' own cases instead.
+`--sweep-shapes` runs the block at every point of tokens 2048, 8192, 16384 x
+d 1024, 2048, 4096 (`--tokens` and `--dims` narrow it), into
+<date>-<device>-shapes-<commit>.json.
 
 Each case times its impls in turn, --rounds rounds, each round starting one
 impl further along; median_ms is the median of the rounds' medians (timings:
@@ -34,6 +37,7 @@ from . import blocks, mlp, norm, results, table
 from .timing import Runner, timer
 
 SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run}
+SWEEP_TOKENS, SWEEP_DIMS = [2048, 8192, 16384], [1024, 2048, 4096]
 
 
 def _ints(text: str) -> List[int]:
@@ -64,7 +68,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", type=_sections, default=["block"], metavar="block|mlp|norm",
                    help="the cases to run, comma-separated (default: block)")
-    p.add_argument("--tokens", type=int, help="rows of every activation (default: 8192 on the GPU, 256 on the CPU)")
+    p.add_argument("--tokens", type=_ints, help="comma-separated rows of every activation, one case each "
+                                                "(default: 8192 on the GPU, 256 on the CPU)")
+    p.add_argument("--sweep-shapes", action="store_true",
+                   help=f"the block at tokens {','.join(map(str, SWEEP_TOKENS))} x d {','.join(map(str, SWEEP_DIMS))}"
+                        " (on the GPU; --tokens, --dims narrow it)")
     p.add_argument("--dims", type=_ints, help="comma-separated model widths d, ffn = 4d "
                                               "(default: 1024,2048,4096 on the GPU, 256 on the CPU)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
@@ -82,17 +90,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     gpu, why_not = gpu_here()
     if gpu:
         device, dtype = "cuda", getattr(torch, args.dtype)
-        tokens, dims = args.tokens or 8192, args.dims or [1024, 2048, 4096]
-        print(f"coda.bench on {torch.cuda.get_device_name()}: {','.join(args.only)}, tokens={tokens} "
-              f"d={','.join(map(str, dims))} {args.dtype}", flush=True)
+        tokens = args.tokens or (SWEEP_TOKENS if args.sweep_shapes else [8192])
+        dims = args.dims or (SWEEP_DIMS if args.sweep_shapes else [1024, 2048, 4096])
+        print(f"coda.bench on {torch.cuda.get_device_name()}: {','.join(args.only)}, "
+              f"tokens={','.join(map(str, tokens))} d={','.join(map(str, dims))} {args.dtype}", flush=True)
     else:
         device, dtype = "cpu", torch.float32
-        tokens, dims = args.tokens or 256, args.dims or [256]
-        print(f"coda.bench: {why_not}; timing the reference path on the CPU at tokens={tokens} "
+        tokens, dims = args.tokens or [256], args.dims or [256]
+        print(f"coda.bench: {why_not}; timing the reference path on the CPU at tokens={','.join(map(str, tokens))} "
               f"d={','.join(map(str, dims))} float32.", flush=True)
+    if args.sweep_shapes:
+        if args.only != ["block"]:
+            print("coda.bench: --sweep-shapes times the block; --only is ignored", flush=True)
+        args.only = ["block"]
 
     r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.host_reps)
-    path = results.results_path(args.out) if args.out else None
+    kind = ("shapes" + (f"-t{'-'.join(map(str, tokens))}" if args.tokens else "")) if args.sweep_shapes else ""
+    path = results.results_path(args.out, kind) if args.out else None
 
     def save() -> None:
         if path:
@@ -104,7 +118,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     r.after_case = save
     for name in args.only:
-        SECTIONS[name](r, tokens, dims, dtype, device)
+        for t in tokens:
+            SECTIONS[name](r, t, dims, dtype, device)
     table.print_table(r.results)
     if path:
         save()
