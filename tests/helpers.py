@@ -1,5 +1,7 @@
 """Shared test helpers: error norms, poisoning, the launch counters."""
 
+import gc
+
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -14,6 +16,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def poison_cuda_allocator(nbytes: int) -> None:
     """Leave a NaN-filled block in the caching allocator, so outputs a kernel
     allocates and then fails to write read as NaN (0xFFFF is NaN in bf16 and fp16)."""
+    gc.collect()  # tensors held by cyclic garbage (an earlier test's graph) would stay cached otherwise
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

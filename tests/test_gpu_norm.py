@@ -210,9 +210,10 @@ def test_row_dots_beyond_65535_strips(seed):
     ops.norm_linear_reference(*ts, activation="gelu_tanh").backward(dy)
     t64 = [t.detach().double().requires_grad_(True) for t in (x, g, b, w, bias)]
     ops.norm_linear_reference(*t64, activation="gelu_tanh").backward(dy.double())
-    for i in (0, 4):  # dx and the bias gradient
+    for i in (0, 4):  # dx and the bias gradient; the latter's error is an estimate over n = 128
+        # elements (1.105x torch's on one draw at 956e967): the slack grows with 1/sqrt(n)
         within_torch_error(f"{m} rows grad[{i}] seed={seed}", rel_err(xs[i].grad, t64[i].grad),
-                           rel_err(ts[i].grad, t64[i].grad))
+                           rel_err(ts[i].grad, t64[i].grad), numel=n if i == 4 else 0)
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
