@@ -2,9 +2,10 @@
 torch profiler's CPU ops and CUDA kernels per step, cProfile's Python
 functions, and each op's host time alone, for coda and eager side by side.
 
-    python benchmarks/profile_block.py --d 1024 --tokens 8192 --out DIR
+    python benchmarks/profile_block.py --d 1024 2048 --tokens 2048 8192 --out DIR
 
-Writes DIR/profile_block_d<d>.txt (the tables) and a stamped JSON of the
+Writes DIR/profile_block_t<tokens>_d<d>.txt (the tables; kernels in launch
+order for the forward and the forward + backward) and a stamped JSON of the
 totals. An experiment tool: what it finds goes to benchmarks/NOTES.md.
 """
 
@@ -20,7 +21,6 @@ import time
 
 import torch
 
-from coda import _kernels
 from coda.bench import blocks, results, steps
 from coda.bench.timing import kernel_timeline
 
@@ -69,40 +69,44 @@ def python_profile(fn, calls=20):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--d", type=int, nargs="+", default=[1024])
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     rows = []
-    for d in a.d:
-        args = blocks.inputs(a.tokens, d, torch.bfloat16, "cuda")
-        grads = blocks.output_grads(a.tokens, d, torch.bfloat16, "cuda")
-        text = io.StringIO()
-        impls = {"coda": blocks.coda_block, "eager": blocks.eager_block}
-        for name, block in impls.items():
-            fwd = steps.forward(block, args)
-            fb = steps.forward_backward(block, args, grads)
-            # each op alone (forward, no grad): host time to enqueue, GPU idle before
-            row = {"d": d, "impl": name, "host_fwd_ms": host_ms_of(fwd), "host_fwd_bwd_ms": host_ms_of(fb)}
-            if name == "coda":
-                # the wgrads in coda's own kernel instead of at::mm (an override does that): host cost of the vendor call
-                with _kernels.override_kernel(config=0):
-                    fb()
-                    row["host_fwd_bwd_ms_cutlass_wgrad"] = host_ms_of(fb)
-            totals, cpu_t, gpu_t = profile_step(fb)
-            row.update(totals)
-            rows.append(row)
-            print(row, flush=True)
-            tl = kernel_timeline(fb)
-            row["kernel_us"] = tl["kernel_us"]
-            text.write(f"==== {name} d={d} fwd+bwd: {totals}\n---- kernels in launch order: us, idle before\n")
+    for tokens in a.tokens:
+        for d in a.d:
+            rows += profile_point(tokens, d, a.out)
+    results.write(a.out, "profile_block", {"tokens": a.tokens, "rows": rows})
+
+
+def profile_point(tokens, d, out):
+    rows = []
+    args = blocks.inputs(tokens, d, torch.bfloat16, "cuda")
+    grads = blocks.output_grads(tokens, d, torch.bfloat16, "cuda")
+    text = io.StringIO()
+    impls = {"coda": blocks.coda_block, "eager": blocks.eager_block}
+    for name, block in impls.items():
+        fwd = steps.forward(block, args)
+        fb = steps.forward_backward(block, args, grads)
+        row = {"tokens": tokens, "d": d, "impl": name, "host_fwd_ms": host_ms_of(fwd), "host_fwd_bwd_ms": host_ms_of(fb)}
+        totals, cpu_t, gpu_t = profile_step(fb)
+        row.update(totals)
+        rows.append(row)
+        print(row, flush=True)
+        for step_name, fn in (("fwd", fwd), ("fwd_bwd", fb)):
+            tl = kernel_timeline(fn)
+            row[f"kernel_us_{step_name}"] = tl["kernel_us"]
+            text.write(f"==== {name} t={tokens} d={d} {step_name}: {sum(us for _, us, _ in tl['kernel_us']):.1f} us "
+                       f"of kernels\n---- kernels in launch order: us, idle before\n")
             for k, us, idle in tl["kernel_us"]:
                 text.write(f"  {us:8.1f} {idle:8.1f}  {k[:150]}\n")
-            text.write(f"---- CPU ops by self time\n{cpu_t}\n"
-                       f"---- CUDA kernels\n{gpu_t}\n---- Python (cProfile, 20 steps, by tottime)\n"
-                       f"{python_profile(fb)}\n")
-        with open(os.path.join(a.out, f"profile_block_d{d}.txt"), "w") as f:
-            f.write(text.getvalue())
-    results.write(a.out, "profile_block", {"tokens": a.tokens, "rows": rows})
+        text.write(f"---- CPU ops by self time (fwd+bwd)\n{cpu_t}\n"
+                   f"---- CUDA kernels\n{gpu_t}\n---- Python (cProfile, 20 steps, by tottime)\n"
+                   f"{python_profile(fb)}\n")
+    with open(os.path.join(out, f"profile_block_t{tokens}_d{d}.txt"), "w") as f:
+        f.write(text.getvalue())
+    del args, grads
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 # against the installed package and the benchmarks; logs and the stamped
 # results files they write go to OUT_DIR.
 #
-#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --power | --profile]
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --scripts | --power | --profile]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # CODA_COMMIT names the commit the results files are stamped with (a copied tree's .git
@@ -22,6 +22,7 @@
 #   CODA_TEST_TUNING="config,raster,swizzle ..." before anything is timed, the per-kernel
 #   breakdown (SWEEP_BREAKDOWN=0 leaves it out), coda.bench where BENCH_ARGS is set, the sweep.
 # --sweep-shipped: the sweep alone; raster and swizzle need no extra kernels.
+# --scripts: the GPU tests, then SCRIPTS alone.
 # --power: benchmarks/power_probe.py alone (POWER_ARGS); POWER_TESTS=1 runs the tests
 #   (under CODA_TEST_TUNING) before it, PROFILE_VARIANTS the profile and BENCH_ARGS coda.bench after it.
 # --profile: Nsight Compute on each variant in PROFILE_VARIANTS ("case:impl;case:impl",
@@ -165,6 +166,12 @@ case "$MODE" in
     finish ;;
   --profile)
     run_profile
+    finish ;;
+  --scripts)
+    step "GPU tests"
+    run_tests "$OUT/tests.log" "$OUT"
+    tail -8 "$OUT/tests.log"
+    run_scripts
     finish ;;
   --sweep-shipped)
     run_sweep
