@@ -51,6 +51,21 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
   return {keys, counts};
 }
 
+// What the rule picks for one GEMM of a program ("linear_act", ...) in a dtype
+// ("bf16", "fp16") on a device of `sms` SMs, without launching anything:
+// (configuration, raster, swizzle, whether a plain GEMM of it goes to cuBLAS).
+std::tuple<std::string, int64_t, int64_t, bool> kernel_choice(const std::string& program, const std::string& dtype,
+                                                              int64_t m, int64_t n, int64_t k, int64_t sms) {
+  int p = 0;
+  while (p < coda::kernels::kProgramCount && program != coda::kernels::program_name(Program(p))) ++p;
+  TORCH_CHECK(p < coda::kernels::kProgramCount, "_kernel_choice: unknown program '", program, "'");
+  TORCH_CHECK(dtype == "bf16" || dtype == "fp16", "_kernel_choice: dtype must be bf16 or fp16, got '", dtype, "'");
+  const coda::DType t = dtype == "bf16" ? coda::DType::kBFloat16 : coda::DType::kFloat16;
+  const coda::kernels::Choice c = coda::kernels::choose(Program(p), t, m, n, k);
+  return {coda::kernels::config_name(c.config), c.raster, c.swizzle,
+          coda::kernels::prefer_vendor_gemm(Program(p), m, n, k, static_cast<int>(sms))};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
@@ -58,6 +73,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("_set_kernel_override(int config, int raster, int swizzle) -> ()", &set_kernel_override);
   m.def("_kernels_built() -> str[]", &kernels_built);
   m.def("_launch_counts() -> (str[], int[])", &launch_counts);
+  m.def("_kernel_choice(str program, str dtype, int m, int n, int k, int sms) -> (str, int, int, bool)",
+        &kernel_choice);
 }
 
 extern "C" PyObject* PyInit__C(void) {

@@ -140,6 +140,14 @@ def kernel_configs(program: str) -> Dict[int, str]:
     return kernels_built().get(program, {})
 
 
+def kernel_choice(program: str, m: int, n: int, k: int, dtype: str = "bf16", sms: int = 132) -> Dict[str, object]:
+    """What the rule (csrc/choice.cpp) picks for an (m, n, k) GEMM of `program`, launching
+    nothing: {"config": name, "raster", "swizzle", "vendor": whether a plain GEMM of it
+    goes to cuBLAS on `sms` SMs}."""
+    config, raster, swizzle, vendor = torch.ops.coda._kernel_choice(program, dtype, m, n, k, sms)
+    return {"config": config, "raster": raster, "swizzle": swizzle, "vendor": vendor}
+
+
 def launch_counts() -> Dict[str, int]:
     """Kernel launches so far, keyed "program/config_name"."""
     keys, counts = torch.ops.coda._launch_counts()
