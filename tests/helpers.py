@@ -14,14 +14,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison_cuda_allocator(nbytes: int) -> None:
-    """Leave a NaN-filled block in the caching allocator, so outputs a kernel
-    allocates and then fails to write read as NaN (0xFFFF is NaN in bf16 and fp16)."""
-    gc.collect()  # tensors held by cyclic garbage (an earlier test's graph) would stay cached otherwise
+    """Fill every free block of the caching allocator with NaN, and leave a new one of
+    `nbytes` beside them, so outputs a kernel allocates and then fails to write read as
+    NaN (0xFFFF is NaN in bf16 and fp16). empty_cache releases only segments with
+    nothing live in them: a free block left in a segment an earlier test still holds a
+    tensor of would serve a request first (best fit) unpoisoned (956e967, e128038)."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    block.fill_(0xFF)
-    del block
+    device, stream = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
+    free = sorted((b["size"] for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device", device) == device and seg.get("stream", stream) == stream
+                   for b in seg["blocks"] if b["state"] == "inactive"),
+                  reverse=True)  # largest first: each request takes a block of its own
+    held = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in free]
+    held.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+    for t in held:
+        t.fill_(0xFF)
+    del held, t
 
 
 # (name, coda's error, torch's error) of every comparison this session; conftest
