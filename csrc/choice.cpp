@@ -65,9 +65,11 @@ Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
     // at 8,192 x d 1024-2048 and 2,048 x d 4096 it ran every forward 0.93-1.11x
     // cuBLAS (swizzle as below), the cooperative 128x256 tiles 1.04-1.6x.
     // fc2's shape (N < K) at 16,384 x 4096 is the exception, 1.028x against
-    // 1.055x. With K <= 1024 (16 k-blocks a tile) the cooperative 128x128
-    // tiles beat both for the plain forward: fc1 at d 1024 1.34x against 1.61x.
-    if (k <= 1024 && p == Program::kLinearAct && is_built(p, t, Config::kCooperative128x128)) {
+    // 1.055x. With K <= 1024 (16 k-blocks a tile) or M <= 512 (4 row tiles)
+    // the cooperative 128x128 tiles beat both for the plain forward: fc1 at
+    // 8,192 x d 1024 1.34x against 1.61x, o-proj at 512 x d 2048 1.47x
+    // against 1.89x.
+    if ((k <= 1024 || m <= 512) && p == Program::kLinearAct && is_built(p, t, Config::kCooperative128x128)) {
       c.config = Config::kCooperative128x128;
     } else if (n < k && m * n >= (int64_t(1) << 26)) {
       c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});

@@ -59,6 +59,7 @@ def test_forward_configs_by_shape():
     assert choice("linear_act", 8192, 4096, 1024)["config"] == "cooperative_128x128_1x2"
     assert choice("linear_act", 8192, 4096, 1024, dtype="fp16")["config"] == "pingpong_128x128_1x2"
     assert choice("linear_act", 8192, 1024, 4096)["config"] == "pingpong_128x128_1x2"  # fc2 at d 1024
+    assert choice("linear_act", 512, 2048, 2048)["config"] == "cooperative_128x128_1x2"  # 4 row tiles
     # fc2's shape (N < K) at 16,384 x 4096 runs cooperative
     assert choice("linear_act", 16384, 4096, 16384)["config"] == "cooperative_128x256_2x1"
     assert choice("dact_dbias", 8192, 1024, 4096)["config"] == "cooperative_128x256_2x1"
