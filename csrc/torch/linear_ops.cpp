@@ -2,6 +2,7 @@
 // Python that launches every kernel of its direction.
 #include <atomic>
 
+#include "autograd.h"
 #include "kernels.h"
 #include "tensors.h"
 
@@ -178,6 +179,100 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> mlp_backward(const Tensor& dy
   return {dx, dw1, db1, dw2, db2};
 }
 
+// ---- autograd
+
+CODA_OP_HANDLE(linear)
+CODA_OP_HANDLE_OF(linear_backward, LinearBackwardSig)
+CODA_OP_HANDLE(mlp)
+CODA_OP_HANDLE(mlp_backward)
+
+// x as its own residual (y = f(x) + x) enters a Function once: its gradient
+// is dx + dy, added in the backward.
+bool is_input(const OptTensor& residual, const Tensor& x) { return residual && residual->is_same(x); }
+
+// y = act(x·Wᵀ + b) + residual. Saves x, W and H (the pre-activation, (0,)
+// with identity).
+struct LinearFn : torch::autograd::Function<LinearFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w, const OptTensor& bias,
+                               const OptTensor& residual, bool add_input, int64_t activation) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, h] = linear_op().call(x, w, bias, add_input ? OptTensor(x) : residual, activation, true);
+    ctx->save_for_backward({x, w, h});
+    ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), residual.has_value()});
+    ctx->saved_data["a"] = activation << 1 | int64_t(add_input);
+    ctx->mark_non_differentiable({h});
+    ctx->set_materialize_grads(false);
+    return {y, h};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(6);
+    at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
+    const auto n = needs_by_arg<4>(ctx, ctx->saved_data["p"].toInt());
+    const int64_t packed = ctx->saved_data["a"].toInt();
+    const bool add_input = packed & 1;
+    auto saved = ctx->get_saved_variables();
+    auto [dx, dw, db] = linear_backward_op().call(dy, saved[0], saved[1], opt_of(saved[2]), packed >> 1,
+                                                  {n[0], n[1], n[2]});
+    if (n[0] && add_input) dx.add_(dy);
+    return first_order("linear", {n[0] ? dx : Tensor(), n[1] ? dw : Tensor(), n[2] ? db : Tensor(),
+                                  n[3] ? dy : Tensor(), Tensor(), Tensor()});
+  }
+};
+
+std::tuple<Tensor, Tensor> linear_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                           const OptTensor& residual, int64_t activation, bool save_pre_act) {
+  const bool add_input = is_input(residual, x);
+  if (!any_requires_grad({&x, &weight, opt(bias), add_input ? nullptr : opt(residual)})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return linear_op().call(x, weight, bias, residual, activation, save_pre_act);
+  }
+  auto out = LinearFn::apply(x, weight, bias, add_input ? std::nullopt : residual, add_input, activation);
+  return {out[0], out[1]};
+}
+
+// y = fc2(act(fc1(x))) + residual. Saves x, W1, W2, H1 (A1 with identity) and A1.
+struct MlpFn : torch::autograd::Function<MlpFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w1, const OptTensor& b1,
+                               const Tensor& w2, const OptTensor& b2, const OptTensor& residual, bool add_input,
+                               int64_t activation) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, h1, a1] = mlp_op().call(x, w1, b1, w2, b2, add_input ? OptTensor(x) : residual, activation, true);
+    ctx->save_for_backward({x, w1, w2, activation == int64_t(Activation::kIdentity) ? a1 : h1, a1});
+    ctx->saved_data["p"] = present_mask({true, true, b1.has_value(), true, b2.has_value(), residual.has_value()});
+    ctx->saved_data["a"] = activation << 1 | int64_t(add_input);
+    ctx->mark_non_differentiable({h1, a1});
+    ctx->set_materialize_grads(false);
+    return {y, h1, a1};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(8);
+    at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
+    const auto n = needs_by_arg<6>(ctx, ctx->saved_data["p"].toInt());
+    const int64_t packed = ctx->saved_data["a"].toInt();
+    auto s = ctx->get_saved_variables();
+    auto [dx, dw1, db1, dw2, db2] = mlp_backward_op().call(dy, s[0], s[1], s[2], s[3], s[4], packed >> 1,
+                                                           {n[0], n[1], n[2], n[3], n[4]});
+    if (n[0] && (packed & 1)) dx.add_(dy);
+    return first_order("mlp", {n[0] ? dx : Tensor(), n[1] ? dw1 : Tensor(), n[2] ? db1 : Tensor(),
+                               n[3] ? dw2 : Tensor(), n[4] ? db2 : Tensor(), n[5] ? dy : Tensor(), Tensor(),
+                               Tensor()});
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor> mlp_autograd(const Tensor& x, const Tensor& w1, const OptTensor& b1,
+                                                const Tensor& w2, const OptTensor& b2, const OptTensor& residual,
+                                                int64_t activation, bool save) {
+  const bool add_input = is_input(residual, x);
+  if (!any_requires_grad({&x, &w1, opt(b1), &w2, opt(b2), add_input ? nullptr : opt(residual)})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return mlp_op().call(x, w1, b1, w2, b2, residual, activation, save);
+  }
+  auto out = MlpFn::apply(x, w1, b1, w2, b2, add_input ? std::nullopt : residual, add_input, activation);
+  return {out[0], out[1], out[2]};
+}
+
 }  // namespace
 
 CODA_TORCH_OP(linear,
@@ -192,5 +287,7 @@ CODA_TORCH_OP(mlp,
 CODA_TORCH_OP(mlp_backward,
               "mlp_backward(Tensor dy, Tensor x, Tensor w1, Tensor w2, Tensor h1, Tensor a1, int activation,"
               " bool[5] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_AUTOGRAD(linear, linear_autograd)
+CODA_AUTOGRAD(mlp, mlp_autograd)
 
 }  // namespace coda::torch_ops

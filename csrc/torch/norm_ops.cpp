@@ -4,6 +4,7 @@
 // the mean (0 for RMSNorm), row 1 rstd.
 //
 //   Norm(x)·Wᵀ + b = rstd ⊙ (x·W̃ᵀ − mean ⊙ s) + t,  W̃ = W∘γ, s = Σ_k W̃, t = W·β + b
+#include "autograd.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
@@ -299,6 +300,167 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
   return {y_, st};
 }
 
+// ---- autograd
+
+CODA_OP_HANDLE(norm_linear)
+CODA_OP_HANDLE(norm_linear_backward)
+CODA_OP_HANDLE(norm_mlp)
+CODA_OP_HANDLE(norm_mlp_backward)
+CODA_OP_HANDLE(linear_residual)
+CODA_OP_HANDLE_OF(linear_backward, LinearBackwardSig)
+
+// The given tensor where the caller passed it, else the one the op computed
+// (the op returns (0,) for what it was given).
+Tensor given_or(const OptTensor& given, const Tensor& computed) { return given ? *given : computed; }
+
+// act(Norm(x)·Wᵀ + b). Saves x, γ, β, W, H (y itself with identity), the row
+// statistics and the fold's s and t; stats and the fold take no gradient.
+struct NormLinearFn : torch::autograd::Function<NormLinearFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight,
+                               const OptTensor& norm_bias, const Tensor& weight, const OptTensor& bias,
+                               const OptTensor& stats, const OptTensor& folded, const OptTensor& col_sum,
+                               const OptTensor& shift, bool layernorm, double eps, int64_t activation) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, h, st, s, t] = norm_linear_op().call(x, norm_weight, norm_bias, weight, bias, stats, folded, col_sum,
+                                                  shift, layernorm, eps, activation, true);
+    const bool identity = activation == int64_t(Activation::kIdentity);
+    const Tensor s_used = folded ? given_or(col_sum, Tensor()) : s;
+    ctx->save_for_backward({x, norm_weight, norm_bias.value_or(Tensor()), weight, identity ? y : h,
+                            given_or(stats, st), layernorm ? s_used : Tensor(), folded ? given_or(shift, t) : t});
+    ctx->saved_data["p"] = present_mask({true, true, norm_bias.has_value(), true, bias.has_value(), stats.has_value(),
+                                         folded.has_value(), col_sum.has_value(), shift.has_value()});
+    ctx->saved_data["a"] = activation << 1 | int64_t(layernorm);
+    ctx->mark_non_differentiable({h, st, s, t});
+    ctx->set_materialize_grads(false);
+    return {y, h, st, s, t};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(12);
+    at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
+    const auto n = needs_by_arg<5>(ctx, ctx->saved_data["p"].toInt());
+    const int64_t packed = ctx->saved_data["a"].toInt();
+    auto v = ctx->get_saved_variables();
+    const std::array<bool, 5> needs{n[0], n[1], n[2], n[3], n[4]};
+    auto [dx, dg, db, dw, dbias] = norm_linear_backward_op().call(
+        dy, v[0], v[1], opt_of(v[2]), v[3], v[4], v[5], opt_of(v[6]), v[7], (packed & 1) != 0, packed >> 1, needs);
+    variable_list out(12);
+    const Tensor* g[5] = {&dx, &dg, &db, &dw, &dbias};
+    for (int i = 0; i < 5; ++i) out[i] = needs[i] ? *g[i] : Tensor();
+    return first_order("norm_linear", std::move(out));
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_autograd(
+    const Tensor& x, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& weight,
+    const OptTensor& bias, const OptTensor& stats, const OptTensor& folded, const OptTensor& col_sum,
+    const OptTensor& shift, bool layernorm, double eps, int64_t activation, bool save_pre_act) {
+  if (!any_requires_grad({&x, &norm_weight, opt(norm_bias), &weight, opt(bias)})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return norm_linear_op().call(x, norm_weight, norm_bias, weight, bias, stats, folded, col_sum, shift, layernorm,
+                                 eps, activation, save_pre_act);
+  }
+  auto o = NormLinearFn::apply(x, norm_weight, norm_bias, weight, bias, stats, folded, col_sum, shift, layernorm, eps,
+                               activation);
+  return {o[0], o[1], o[2], o[3], o[4]};
+}
+
+// fc2(act(fc1(Norm(x)))) + residual. Saves x, γ, β, W1, W2, H1 (A1 with
+// identity), A1, the row statistics and the fold's s and t.
+struct NormMlpFn : torch::autograd::Function<NormMlpFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& norm_weight,
+                               const OptTensor& norm_bias, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
+                               const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
+                               const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual,
+                               bool add_input, bool layernorm, double eps, int64_t activation) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, h1, a1, st, s, t] = norm_mlp_op().call(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum,
+                                                    shift, residual, add_input, layernorm, eps, activation, true);
+    const bool identity = activation == int64_t(Activation::kIdentity);
+    const Tensor s_used = folded ? given_or(col_sum, Tensor()) : s;
+    ctx->save_for_backward({x, norm_weight, norm_bias.value_or(Tensor()), w1, w2, identity ? a1 : h1, a1,
+                            given_or(stats, st), layernorm ? s_used : Tensor(), folded ? given_or(shift, t) : t});
+    ctx->saved_data["p"] = present_mask({true, true, norm_bias.has_value(), true, b1.has_value(), true, b2.has_value(),
+                                         stats.has_value(), folded.has_value(), col_sum.has_value(),
+                                         shift.has_value(), residual.has_value()});
+    ctx->saved_data["a"] = activation << 2 | int64_t(layernorm) << 1 | int64_t(add_input);
+    ctx->mark_non_differentiable({h1, a1, st, s, t});
+    ctx->set_materialize_grads(false);
+    return {y, h1, a1, st, s, t};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(16);
+    at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
+    const auto n = needs_by_arg<12>(ctx, ctx->saved_data["p"].toInt());
+    const int64_t packed = ctx->saved_data["a"].toInt();
+    auto v = ctx->get_saved_variables();
+    const std::array<bool, 7> needs{n[0], n[1], n[2], n[3], n[4], n[5], n[6]};
+    auto g = norm_mlp_backward_op().call(dy, v[0], v[1], opt_of(v[2]), v[3], v[4], v[5], v[6], v[7], opt_of(v[8]),
+                                         v[9], (packed & 1) != 0, (packed >> 1 & 1) != 0, packed >> 2, needs);
+    const Tensor* r[7] = {&std::get<0>(g), &std::get<1>(g), &std::get<2>(g), &std::get<3>(g),
+                          &std::get<4>(g), &std::get<5>(g), &std::get<6>(g)};
+    variable_list out(16);
+    for (int i = 0; i < 7; ++i) out[i] = needs[i] ? *r[i] : Tensor();
+    if (n[11]) out[11] = dy;
+    return first_order("norm_mlp", std::move(out));
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_autograd(
+    const Tensor& x, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& w1, const OptTensor& b1,
+    const Tensor& w2, const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
+    const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual, bool add_input, bool layernorm,
+    double eps, int64_t activation, bool save) {
+  if (!any_requires_grad({&x, &norm_weight, opt(norm_bias), &w1, opt(b1), &w2, opt(b2), opt(residual)})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return norm_mlp_op().call(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual,
+                              add_input, layernorm, eps, activation, save);
+  }
+  auto o = NormMlpFn::apply(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual,
+                            add_input, layernorm, eps, activation);
+  return {o[0], o[1], o[2], o[3], o[4], o[5]};
+}
+
+// y = x·Wᵀ + b + residual and the next norm's row statistics (no gradient).
+struct LinearResidualFn : torch::autograd::Function<LinearResidualFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                               const OptTensor& residual, bool add_input, bool layernorm, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, st] = linear_residual_op().call(x, weight, bias, add_input ? x : *residual, layernorm, eps);
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), residual.has_value()});
+    ctx->saved_data["a"] = int64_t(add_input);
+    ctx->mark_non_differentiable({st});
+    ctx->set_materialize_grads(false);
+    return {y, st};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(7);
+    at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
+    const auto n = needs_by_arg<4>(ctx, ctx->saved_data["p"].toInt());
+    auto v = ctx->get_saved_variables();
+    auto [dx, dw, db] = linear_backward_op().call(dy, v[0], v[1], std::nullopt, int64_t(Activation::kIdentity),
+                                                  {n[0], n[1], n[2]});
+    if (n[0] && ctx->saved_data["a"].toInt()) dx.add_(dy);
+    return first_order("linear_residual", {n[0] ? dx : Tensor(), n[1] ? dw : Tensor(), n[2] ? db : Tensor(),
+                                           n[3] ? dy : Tensor(), Tensor(), Tensor(), Tensor()});
+  }
+};
+
+std::tuple<Tensor, Tensor> linear_residual_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                                    const Tensor& residual, bool layernorm, double eps) {
+  const bool add_input = residual.is_same(x);
+  if (!any_requires_grad({&x, &weight, opt(bias), add_input ? nullptr : &residual})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return linear_residual_op().call(x, weight, bias, residual, layernorm, eps);
+  }
+  auto o = LinearResidualFn::apply(x, weight, bias, add_input ? OptTensor() : OptTensor(residual), add_input,
+                                   layernorm, eps);
+  return {o[0], o[1]};
+}
+
 }  // namespace
 
 CODA_TORCH_OP(row_stats, "row_stats(Tensor x, bool layernorm, float eps) -> Tensor")
@@ -325,5 +487,9 @@ CODA_TORCH_OP(norm_mlp_backward,
 CODA_TORCH_OP(linear_residual,
               "linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual, bool layernorm, float eps)"
               " -> (Tensor, Tensor)")
+
+CODA_AUTOGRAD(norm_linear, norm_linear_autograd)
+CODA_AUTOGRAD(norm_mlp, norm_mlp_autograd)
+CODA_AUTOGRAD(linear_residual, linear_residual_autograd)
 
 }  // namespace coda::torch_ops

@@ -1,5 +1,5 @@
-"""What the fused ops share: flattening to rows, autocast, and the guard
-that makes double backward a clear error."""
+"""What the fused ops share: flattening to rows, and autocast. (Their
+autograd, the double-backward guard included, is C++: csrc/torch/autograd.h.)"""
 
 from __future__ import annotations
 
@@ -25,21 +25,3 @@ def autocast(x: Tensor, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], .
         return (x, *tensors)
     dt = torch.get_autocast_dtype(x.device.type)
     return tuple(t if t is None or t.dtype == dt else t.to(dt) for t in (x, *tensors))
-
-
-def needs_grad(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def first_order(op: str, grads: tuple) -> tuple:
-    """The gradients a backward returns, made to fail with a message naming
-    `op` if they are differentiated again (create_graph=True): the kernels'
-    backward is not itself differentiable."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return grads
-    present = [g for g in grads if isinstance(g, Tensor)]
-    if not present:
-        return grads
-    fail = torch._C._functions.DelayedError(f"coda.{op}: double backward is not supported".encode(), len(present))
-    marked = iter(fail(*[g.detach().requires_grad_() for g in present]))
-    return tuple(next(marked) if isinstance(g, Tensor) else g for g in grads)

@@ -1,9 +1,10 @@
 """Linear (+ activation) and the MLP: one GEMM per layer, the bias,
 activation and residual in its epilogue, forward and backward.
 
-Each op is one torch.autograd.Function over one C++ op per direction
-(torch.ops.coda.linear / linear_backward, mlp / mlp_backward, whose fakes are
-here), and a reference path of plain torch code for what has no kernel.
+Each op is one C++ op per direction (torch.ops.coda.linear / linear_backward,
+mlp / mlp_backward, whose fakes are here) with its autograd in C++
+(csrc/torch/autograd.h), and a reference path of plain torch code for what
+has no kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .. import _activations, _kernels
 from . import _checks
-from ._common import autocast, first_order, needs_grad
+from ._common import autocast
 
 __all__ = ["linear", "mlp"]
 
@@ -55,25 +56,6 @@ if _kernels.available():
 
 # ---- linear: y = act(x·Wᵀ + b) (+ residual)
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation: int, save: bool):
-        y, h = torch.ops.coda.linear(x, weight, bias, None, activation, save)
-        if save:
-            ctx.save_for_backward(x, weight, h if activation != _activations.IDENTITY else None)
-        ctx.activation, ctx.has_bias = activation, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, h = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dx, dw, db = torch.ops.coda.linear_backward(dy, x, weight, h, ctx.activation,
-                                                    [need[0], need[1], ctx.has_bias and need[2]])
-        return first_order("linear", (dx if need[0] else None, dw if need[1] else None,
-                                      db if ctx.has_bias and need[2] else None, None, None))
-
-
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
                      residual: Optional[Tensor] = None) -> Tensor:
     """act(x·weightᵀ + bias) (+ residual), unfused: the reference path and the tests' baseline."""
@@ -99,35 +81,10 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation:
         _checks.like("bias", bias, x, op)
     if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], weight.shape[0])):
         return linear_reference(x, weight, bias, activation)
-    if not needs_grad(x, weight, bias):  # no autograd node to build: the op alone
-        return torch.ops.coda.linear(x, weight, bias, None, act, False)[0]
-    return _Linear.apply(x, weight, bias, act, True)
+    return torch.ops.coda.linear.default(x, weight, bias, None, act, False)[0]
 
 
 # ---- mlp: y = fc2(act(fc1(x))) + residual
-
-class _MLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, residual, add_input: bool, activation: int, save: bool):
-        y, h1, a1 = torch.ops.coda.mlp(x, w1, b1, w2, b2, x if add_input else residual, activation, save)
-        if save:
-            ctx.save_for_backward(x, w1, w2, a1 if activation == _activations.IDENTITY else h1, a1)
-        ctx.activation, ctx.add_input = activation, add_input
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w1, w2, h1, a1 = ctx.saved_tensors
-        nx, nw1, nb1, nw2, nb2, nres = ctx.needs_input_grad[:6]
-        nb1, nb2 = nb1 and ctx.has_b1, nb2 and ctx.has_b2
-        dx, dw1, db1, dw2, db2 = torch.ops.coda.mlp_backward(dy, x, w1, w2, h1, a1, ctx.activation,
-                                                             [nx, nw1, nb1, nw2, nb2])
-        if nx and ctx.add_input:
-            dx.add_(dy)
-        return first_order("mlp", (dx if nx else None, dw1 if nw1 else None, db1 if nb1 else None,
-                                   dw2 if nw2 else None, db2 if nb2 else None, dy if nres else None, None, None, None))
-
 
 def mlp_reference(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
                   activation: Optional[str] = "gelu_tanh", residual: Optional[Tensor] = None) -> Tensor:
@@ -154,7 +111,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
     if residual is not None:
         _checks.matrix_like("residual", residual, out_shape, op)
     act = _activations.code(activation)
-    add_input = residual is x  # one tensor twice is not a valid autograd.Function input under torch.compile
+    add_input = residual is x  # still x itself after autocast: the C++ autograd adds dy to dx once
     x, w1, b1, w2, b2, residual = autocast(x, w1, b1, w2, b2, residual)
     if add_input:
         residual = x
@@ -163,6 +120,4 @@ def mlp(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
             _checks.like(name, t, x, op)
     if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1], w1.shape[0], w2.shape[0])):
         return mlp_reference(x, w1, b1, w2, b2, activation, residual)
-    if not needs_grad(x, w1, b1, w2, b2, residual):
-        return torch.ops.coda.mlp(x, w1, b1, w2, b2, residual, act, False)[0]
-    return _MLP.apply(x, w1, b1, w2, b2, None if add_input else residual, add_input, act, True)
+    return torch.ops.coda.mlp.default(x, w1, b1, w2, b2, residual, act, False)[0]

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .. import _activations, _kernels
 from . import _checks
-from ._common import autocast, first_order, needs_grad, rows
+from ._common import autocast, rows
 from .linear import linear_reference, mlp_reference
 
 __all__ = ["layernorm_linear", "rmsnorm_linear", "norm_mlp", "linear_residual", "row_stats", "fold_norm_weight",
@@ -216,31 +216,6 @@ def _fold_args(folded: Optional[FoldedWeight]):
 
 # ---- norm -> Linear: act(Norm(x)·Wᵀ + b)
 
-class _NormLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, weight, bias, stats, folded_w, folded_s, folded_t, layernorm: bool,
-                eps: float, activation: int, save: bool):
-        y, h, st, s, t = torch.ops.coda.norm_linear(x, norm_weight, norm_bias, weight, bias, stats, folded_w, folded_s,
-                                                    folded_t, layernorm, eps, activation, save)
-        if save:
-            st = st if stats is None else stats
-            s, t = (s, t) if folded_w is None else (folded_s, folded_t)
-            pre = y if activation == _activations.IDENTITY else h
-            ctx.save_for_backward(x, norm_weight, norm_bias, weight, pre, st, s if layernorm else None, t)
-        ctx.layernorm, ctx.activation, ctx.has_bias = layernorm, activation, bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, norm_weight, norm_bias, weight, pre, st, s, t = ctx.saved_tensors
-        n = ctx.needs_input_grad
-        needs = [n[0], n[1], n[2] and norm_bias is not None, n[3], n[4] and ctx.has_bias]
-        grads = torch.ops.coda.norm_linear_backward(dy, x, norm_weight, norm_bias, weight, pre, st, s, t,
-                                                    ctx.layernorm, ctx.activation, needs)
-        out = [g if need else None for g, need in zip(grads, needs)]
-        return first_order("norm_linear", (*out, None, None, None, None, None, None, None, None))
-
-
 def norm_linear_reference(x, norm_weight, norm_bias, weight, bias=None, normalization: str = "LayerNorm",
                           eps: Optional[float] = None, activation: Optional[str] = None,
                           stats: Optional[Tensor] = None) -> Tensor:
@@ -265,11 +240,8 @@ def _norm_linear(op, x, norm_weight, norm_bias, weight, bias, eps, activation, s
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0])):
         n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
         return linear_reference(n, weight, bias, activation)
-    if not needs_grad(x, norm_weight, norm_bias, weight, bias):
-        return torch.ops.coda.norm_linear(x, norm_weight, norm_bias, weight, bias, _to_rows(stats), *_fold_args(folded),
-                                          layernorm, eps, act, False)[0]
-    return _NormLinear.apply(x, norm_weight, norm_bias, weight, bias, _to_rows(stats), *_fold_args(folded),
-                             layernorm, eps, act, True)
+    return torch.ops.coda.norm_linear.default(x, norm_weight, norm_bias, weight, bias, _to_rows(stats),
+                                              *_fold_args(folded), layernorm, eps, act, False)[0]
 
 
 def layernorm_linear(x: Tensor, ln_weight: Tensor, ln_bias: Optional[Tensor], weight: Tensor,
@@ -296,35 +268,6 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optiona
 
 
 # ---- norm -> MLP: fc2(act(fc1(Norm(x)))) + residual
-
-class _NormMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded_w, folded_s, folded_t, residual,
-                add_input: bool, layernorm: bool, eps: float, activation: int, save: bool):
-        y, h1, a1, st, s, t = torch.ops.coda.norm_mlp(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded_w,
-                                                      folded_s, folded_t, residual, add_input, layernorm, eps,
-                                                      activation, save)
-        if save:
-            st = st if stats is None else stats
-            s, t = (s, t) if folded_w is None else (folded_s, folded_t)
-            h1 = a1 if activation == _activations.IDENTITY else h1
-            ctx.save_for_backward(x, norm_weight, norm_bias, w1, w2, h1, a1, st, s if layernorm else None, t)
-        ctx.layernorm, ctx.activation, ctx.add_input = layernorm, activation, add_input
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, norm_weight, norm_bias, w1, w2, h1, a1, st, s, t = ctx.saved_tensors
-        n = ctx.needs_input_grad
-        needs = [n[0], n[1], n[2] and norm_bias is not None, n[3], n[4] and ctx.has_b1,
-                 n[5], n[6] and ctx.has_b2]
-        grads = torch.ops.coda.norm_mlp_backward(dy, x, norm_weight, norm_bias, w1, w2, h1, a1, st, s, t,
-                                                 ctx.add_input, ctx.layernorm, ctx.activation, needs)
-        out = [g if need else None for g, need in zip(grads, needs)]
-        return first_order("norm_mlp", (*out, None, None, None, None, dy if n[11] else None, None, None, None, None,
-                                        None))
-
 
 def norm_mlp_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, normalization: str = "LayerNorm",
                        eps: Optional[float] = None, activation: Optional[str] = "gelu_tanh", residual=None,
@@ -375,38 +318,12 @@ def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Te
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], w1.shape[0], w2.shape[0])):
         n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
         return mlp_reference(n, w1, b1, w2, b2, activation, residual)
-    res = None if add_input else residual
-    if not needs_grad(x, norm_weight, norm_bias, w1, b1, w2, b2, res):
-        return torch.ops.coda.norm_mlp(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats), *_fold_args(folded),
-                                       res, add_input, layernorm, eps, act, False)[0]
-    return _NormMLP.apply(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats), *_fold_args(folded), res,
-                          add_input, layernorm, eps, act, True)
+    return torch.ops.coda.norm_mlp.default(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats),
+                                           *_fold_args(folded), None if add_input else residual, add_input,
+                                           layernorm, eps, act, False)[0]
 
 
 # ---- residual-reduce: Y = x·Wᵀ + b + R and the next norm's row statistics
-
-class _LinearResidual(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, add_input: bool, layernorm: bool, eps: float, save: bool):
-        y, st = torch.ops.coda.linear_residual(x, weight, bias, x if add_input else residual, layernorm, eps)
-        if save:
-            ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.add_input = bias is not None, add_input
-        ctx.mark_non_differentiable(st)
-        return y, st
-
-    @staticmethod
-    def backward(ctx, dy, _dstats):
-        x, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dx, dw, db = torch.ops.coda.linear_backward(dy, x, weight, None, _activations.IDENTITY,
-                                                    [need[0], need[1], ctx.has_bias and need[2]])
-        if need[0] and ctx.add_input:
-            dx.add_(dy)
-        return first_order("linear_residual", (dx if need[0] else None, dw if need[1] else None,
-                                               db if ctx.has_bias and need[2] else None, dy if need[3] else None,
-                                               None, None, None, None))
-
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Tensor,
                     normalization: str = "LayerNorm", eps: Optional[float] = None) -> Tuple[Tensor, Tensor]:
@@ -426,7 +343,7 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     _checks.matrix_like("residual", residual, out_shape, op)
     layernorm = _checks.layernorm(normalization, op)
     eps = _checks.eps_of(eps, layernorm, x, op)
-    add_input = residual is x  # as in mlp: no tensor twice into one autograd.Function
+    add_input = residual is x  # still x itself after autocast, as in mlp
     x, weight, bias, residual = autocast(x, weight, bias, residual)
     if add_input:
         residual = x
@@ -436,8 +353,5 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0])):
         y = F.linear(x, weight, bias) + residual
         return y, _to_user(_row_stats_reference(rows(y), layernorm, eps), out_shape[:-1])
-    if not needs_grad(x, weight, bias, residual):
-        y, st = torch.ops.coda.linear_residual(x, weight, bias, residual, layernorm, eps)
-    else:
-        y, st = _LinearResidual.apply(x, weight, bias, None if add_input else residual, add_input, layernorm, eps, True)
+    y, st = torch.ops.coda.linear_residual.default(x, weight, bias, residual, layernorm, eps)
     return y, _to_user(st, out_shape[:-1])
