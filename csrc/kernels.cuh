@@ -119,7 +119,10 @@ struct Steps<Program::kDActDBias, T, C> {
   }
   static Status finish(const GemmProblem& p, const DActDBiasEpilogue& e, const Args& a) {
     if (e.dbias == nullptr) return Status::kSuccess;
-    return column_sum(T, a.dbias_partials, Partial::tiles_m(p.m), p.n, Partial::cols_padded(p.n), e.dbias, p.stream);
+    PartialSums m;
+    m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
+    m.col_partials[0] = a.dbias_partials; m.col_out[0] = e.dbias;
+    return merge_partials(T, m, p.stream);
   }
 };
 
@@ -202,14 +205,13 @@ struct Steps<Program::kDActRowDot, T, C> {
     return a;
   }
   static Status finish(const GemmProblem& p, const DActRowDotEpilogue& e, const Args& a) {
-    const int64_t tiles = Partial::tiles_n(p.n), ld = Partial::rows_padded(p.m);
-    Status s = Status::kSuccess;
-    if (e.c1 != nullptr) s = row_partials_sum(a.c1_partials, tiles, ld, p.m, e.scale, e.c1, p.stream);
-    if (s == Status::kSuccess && e.c2 != nullptr) s = row_partials_sum(a.c2_partials, tiles, ld, p.m, e.scale, e.c2, p.stream);
-    if (s == Status::kSuccess && e.dbias != nullptr) {
-      s = column_sum(T, a.dbias_partials, Partial::tiles_m(p.m), p.n, Partial::cols_padded(p.n), e.dbias, p.stream);
-    }
-    return s;
+    PartialSums m;
+    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.scale;
+    m.row_partials[0] = e.c1 != nullptr ? a.c1_partials : nullptr; m.row_out[0] = e.c1;
+    m.row_partials[1] = e.c2 != nullptr ? a.c2_partials : nullptr; m.row_out[1] = e.c2;
+    m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
+    m.col_partials[0] = e.dbias != nullptr ? a.dbias_partials : nullptr; m.col_out[0] = e.dbias;
+    return merge_partials(T, m, p.stream);
   }
 };
 
@@ -246,11 +248,11 @@ struct Steps<Program::kNormDgrad, T, C> {
     return a;
   }
   static Status finish(const GemmProblem& p, const NormDgradEpilogue& e, const Args& a) {
-    const int64_t tiles = Partial::tiles_m(p.m), ld = Partial::cols_padded(p.n);
-    Status s = Status::kSuccess;
-    if (e.dgamma != nullptr) s = column_sum(T, a.dgamma_partials, tiles, p.n, ld, e.dgamma, p.stream);
-    if (s == Status::kSuccess && e.dbeta != nullptr) s = column_sum(T, a.dbeta_partials, tiles, p.n, ld, e.dbeta, p.stream);
-    return s;
+    PartialSums m;
+    m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
+    m.col_partials[0] = e.dgamma != nullptr ? a.dgamma_partials : nullptr; m.col_out[0] = e.dgamma;
+    m.col_partials[1] = e.dbeta != nullptr ? a.dbeta_partials : nullptr; m.col_out[1] = e.dbeta;
+    return merge_partials(T, m, p.stream);
   }
 };
 

@@ -192,16 +192,24 @@ void set_override(int config, int raster, int swizzle);
 // Launches of each (program, config) since the process started.
 int64_t launch_count(Program p, Config c);
 
-// ---- small non-GEMM kernels (csrc/column_sum.cu, csrc/norm_kernels.cu)
+// ---- small non-GEMM kernels (csrc/partial_sums.cu, csrc/norm_kernels.cu)
 
-// out[j] = Σ_r partials[r * ld + j] for j < n, rounded to the dtype; on `stream`.
-Status column_sum(DType dtype, const float* partials, int64_t rows, int64_t n, int64_t ld, void* out,
-                  cudaStream_t stream);
+// The fp32 partial sums one pass left, merged in one launch: up to two per-row
+// sums, row_out[o][r] = row_scale · Σ_t row_partials[o][t · row_ld + r]
+// (r < rows, t < row_tiles), and up to two per-column sums rounded to the
+// dtype, col_out[o][j] = Σ_t col_partials[o][t · col_ld + j] (j < cols,
+// t < col_tiles). A null partials pointer leaves that sum out.
+struct PartialSums {
+  int64_t rows = 0, row_tiles = 0, row_ld = 0;
+  float row_scale = 1.f;
+  const float* row_partials[2] = {nullptr, nullptr};
+  float* row_out[2] = {nullptr, nullptr};
+  int64_t cols = 0, col_tiles = 0, col_ld = 0;
+  const float* col_partials[2] = {nullptr, nullptr};
+  void* col_out[2] = {nullptr, nullptr};
+};
+Status merge_partials(DType dtype, const PartialSums& p, cudaStream_t stream);
 
-// Per-row partials (tile t of row r at partials[t * ld + r]) merged:
-// out[r] = scale · Σ_t partials[t * ld + r].
-Status row_partials_sum(const float* partials, int64_t tiles, int64_t ld, int64_t rows, float scale, float* out,
-                        cudaStream_t stream);
 // mean and rstd of rows of length n from per-row partials of Σy (null for
 // RMSNorm, whose mean, when asked for, is written as 0) and Σy².
 Status row_partials_stats(const float* sum, const float* sumsq, int64_t tiles, int64_t ld, int64_t rows, int64_t n,

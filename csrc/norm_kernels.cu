@@ -48,15 +48,6 @@ Status launched(const char* what) {
 
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
-__global__ void row_partials_sum_kernel(const float* __restrict__ p, int64_t tiles, int64_t ld, int64_t rows,
-                                        float scale, float* __restrict__ out) {
-  int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  float acc = 0.f;
-  for (int64_t t = 0; t < tiles; ++t) acc += p[t * ld + r];
-  out[r] = scale * acc;
-}
-
 // Merged in double: with |mean| = 10·std, Σy²/n − mean² cancels ~100x.
 __global__ void row_partials_stats_kernel(const float* __restrict__ sum, const float* __restrict__ sumsq,
                                           int64_t tiles, int64_t ld, int64_t rows, int64_t n, float eps,
@@ -322,13 +313,6 @@ Status with_type(DType dtype, Fn&& fn) {
 
 }  // namespace
 
-Status row_partials_sum(const float* partials, int64_t tiles, int64_t ld, int64_t rows, float scale, float* out,
-                        cudaStream_t stream) {
-  if (rows == 0) return Status::kSuccess;
-  row_partials_sum_kernel<<<blocks_for(rows, kThreads), kThreads, 0, stream>>>(partials, tiles, ld, rows, scale, out);
-  return launched("row_partials_sum");
-}
-
 Status row_partials_stats(const float* sum, const float* sumsq, int64_t tiles, int64_t ld, int64_t rows, int64_t n,
                           float eps, float* mean, float* rstd, cudaStream_t stream) {
   if (rows == 0) return Status::kSuccess;
@@ -420,11 +404,14 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaS
       default: return launch(std::integral_constant<K, K::kIdentity>{});
     }
   });
-  if (a.dbias == nullptr) return st;
-  if (st == Status::kSuccess && c1p != nullptr) st = row_partials_sum(c1p, s.chunks, a.m, a.m, a.scale, a.c1, stream);
-  if (st == Status::kSuccess && c2p != nullptr) st = row_partials_sum(c2p, s.chunks, a.m, a.m, a.scale, a.c2, stream);
-  if (st == Status::kSuccess) st = column_sum(dtype, dbp, s.strips, a.n, a.n, a.dbias, stream);
-  return st;
+  if (a.dbias == nullptr || st != Status::kSuccess) return st;
+  PartialSums m;
+  m.rows = a.m; m.row_tiles = s.chunks; m.row_ld = a.m; m.row_scale = a.scale;
+  m.row_partials[0] = c1p; m.row_out[0] = a.c1;
+  m.row_partials[1] = c2p; m.row_out[1] = a.c2;
+  m.cols = a.n; m.col_tiles = s.strips; m.col_ld = a.n;
+  m.col_partials[0] = dbp; m.col_out[0] = a.dbias;
+  return merge_partials(dtype, m, stream);
 }
 
 }  // namespace coda::kernels

@@ -97,12 +97,49 @@ inline void check(Status s, const char* op) {
   TORCH_CHECK(s == Status::kSuccess, "coda::", op, " failed (", status_string(s), "): ", last_error_message());
 }
 
-// One C++ API call on a workspace of size(dtype, args) bytes from torch's allocator.
+// `bytes` of scratch for one C++ API call on the current stream. Calls on one
+// stream run in order, so each thread keeps one buffer per device and stream
+// and grows it, rather than allocating per call (an allocation costs about
+// what a launch does on a slow host). Under CUDA graph capture the buffer is
+// the graph's own, from torch's allocator: a kept one could be freed while a
+// graph still refers to it.
+inline void* workspace(size_t bytes, const Tensor& like) {
+  if (bytes == 0) return nullptr;
+  const cudaStream_t s = stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  thread_local Tensor graph_owned;  // kept until the next captured call: the graph holds the pointer
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) {
+    cudaGetLastError();
+    graph_owned = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+    return graph_owned.data_ptr();
+  }
+  struct Key {
+    c10::DeviceIndex device;
+    cudaStream_t stream;
+    bool operator==(const Key& o) const { return device == o.device && stream == o.stream; }
+  };
+  struct Buffer {
+    Key key;
+    Tensor bytes;
+  };
+  thread_local std::vector<Buffer> kept;
+  const Key key{like.device().index(), s};
+  for (Buffer& b : kept) {
+    if (!(b.key == key)) continue;
+    if (static_cast<size_t>(b.bytes.numel()) < bytes) {
+      b.bytes = at::empty({static_cast<int64_t>(bytes + bytes / 2)}, like.options().dtype(at::kByte));
+    }
+    return b.bytes.data_ptr();
+  }
+  kept.push_back({key, at::empty({static_cast<int64_t>(bytes + bytes / 2)}, like.options().dtype(at::kByte))});
+  return kept.back().bytes.data_ptr();
+}
+
+// One C++ API call on a workspace of size(dtype, args) bytes.
 template <class Args, class Run, class Size>
 void call(const char* op, DType dt, const Args& a, const Tensor& like, Run run, Size size) {
   const size_t bytes = size(dt, a);
-  Tensor ws = bytes ? at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte)) : Tensor();
-  check(run(dt, a, bytes ? ws.data_ptr() : nullptr, bytes, stream()), op);
+  check(run(dt, a, workspace(bytes, like), bytes, stream()), op);
 }
 
 inline Activation activation_of(int64_t a) {
