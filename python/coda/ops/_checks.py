@@ -25,8 +25,8 @@ def x_input(x, op: str, name: str = "x") -> None:
 
 def like(name: str, t: Tensor, x: Tensor, op: str) -> None:
     """t has x's dtype and device (under autocast the ops cast first)."""
-    if isinstance(t, Tensor) and t.dtype is x.dtype and t.get_device() == x.get_device() and t.is_cuda == x.is_cuda:
-        return  # the common case, without building two torch.device objects
+    if isinstance(t, Tensor) and t.dtype is x.dtype and t.is_cuda and x.is_cuda and t.get_device() == x.get_device():
+        return  # the kernels' case, without building two torch.device objects
     if not isinstance(t, Tensor):
         raise TypeError(f"coda.{op}: {name} must be a Tensor, got {type(t).__name__}")
     if t.dtype != x.dtype:
