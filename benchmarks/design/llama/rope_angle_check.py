@@ -1,0 +1,20 @@
+# Emulates the epilogue's float-float "turns" angle (fp32 ops, FMA = one rounding)
+# against an fp64 reference for every position <= 131072, theta 500000, head_dim 128.
+import numpy as np
+hd, base = 128, 500000.0
+j = np.arange(hd // 2)
+inv64 = 1.0 / (base ** (2 * j / hd))
+inv_hf = (np.float32(1.0) / (np.float32(base) ** (np.arange(0, hd, 2).astype(np.float32) / np.float32(hd)))).astype(np.float32)
+P = np.arange(0, 131073, dtype=np.int64)[:, None].astype(np.float64)
+ref = np.mod(P * inv64[None, :], 2 * np.pi)
+def err(a): return np.abs(np.mod(a - ref + np.pi, 2 * np.pi) - np.pi).max()
+print("HF fp32 angle (fp32(pos)*inv_freq_fp32):", err((P.astype(np.float32) * inv_hf[None, :]).astype(np.float32).astype(np.float64)))
+f = inv64 / (2 * np.pi); fh = f.astype(np.float32); fl = (f - fh.astype(np.float64)).astype(np.float32)
+p32 = P.astype(np.float32)
+t = (p32 * fh[None, :]).astype(np.float32)
+terr = (p32.astype(np.float64) * fh.astype(np.float64)[None, :] - t).astype(np.float32)
+lo = (p32.astype(np.float64) * fl.astype(np.float64)[None, :] + terr).astype(np.float32)
+q = ((t + np.float32(12582912.0)).astype(np.float32) - np.float32(12582912.0)).astype(np.float32)
+r = ((t - q).astype(np.float32) + lo).astype(np.float32)
+print("float-float turns, before MUFU:", err((r * np.float32(6.283185307179586)).astype(np.float32).astype(np.float64)))
+print("turns without the lo term:", err(((t - q).astype(np.float32) * np.float32(2 * np.pi)).astype(np.float64)))
