@@ -2,12 +2,13 @@
 
 from torch import nn
 
+from .glu_mlp import SwiGLUMLP
 from .linear import Linear
 from .mlp import MLP
 from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear
 from .norm_mlp import LayerNormMLP
 
-__all__ = ["Linear", "MLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "fold_weights", "unfold_weights"]
+__all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "fold_weights", "unfold_weights"]
 
 
 def fold_weights(model: nn.Module) -> nn.Module:

@@ -4,10 +4,14 @@ torch.compile(fullgraph=True) traces them), and a reference path of plain
 torch code for what has no kernel. Activations (..., features), weights in
 nn.Linear's (out, in) layout."""
 
+from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, interleave_gate_up,
+                  interleaved_to_concatenated, norm_glu_mlp, norm_glu_mlp_reference, split_gate_up)
 from .linear import linear, linear_reference, mlp, mlp_reference
 from .norm import (FoldedWeight, fold_norm_weight, layernorm_linear, linear_residual, norm_linear_reference,
                    norm_mlp, norm_mlp_reference, normalize_reference, rmsnorm_linear, row_stats)
 
 __all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "linear_residual", "row_stats",
            "fold_norm_weight", "FoldedWeight", "linear_reference", "mlp_reference", "norm_linear_reference",
-           "norm_mlp_reference", "normalize_reference"]
+           "norm_mlp_reference", "normalize_reference", "glu_mlp", "norm_glu_mlp", "glu_mlp_reference",
+           "norm_glu_mlp_reference", "interleave_gate_up", "split_gate_up", "concatenated_to_interleaved",
+           "interleaved_to_concatenated"]
