@@ -238,6 +238,21 @@ kernels::LinearResidualStatsEpilogue epilogue(const LinearResidualArgs& a) {
   return {a.bias, a.residual, a.ld_residual, a.layernorm, a.eps, a.mean, a.rstd};
 }
 
+Operands operands(const NormGluArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.h, a.ldh}; }
+// D is (M, F) 32-bit lanes of the (M, 2F) dH.
+Operands operands(const GluDgradArgs& a) { return {a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dh, a.lddh / 2}; }
+Operands operands(const NormRopeArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy}; }
+
+kernels::NormGluEpilogue epilogue(const NormGluArgs& a) {
+  return {a.rstd, a.a, a.lda, static_cast<int>(a.activation)};
+}
+
+kernels::GluDgradEpilogue epilogue(const GluDgradArgs& a) {
+  return {a.h, a.ldh, static_cast<int>(a.activation), a.norm_scale, a.norm_c1};
+}
+
+kernels::NormRopeEpilogue epilogue(const NormRopeArgs& a) { return {a.rstd, a.shift, a.positions, a.freq}; }
+
 kernels::NormDgradEpilogue epilogue(const NormDgradArgs& a) {
   return {a.x, a.ldx, a.mean, a.rstd, a.gamma, a.beta, a.c1, a.c2, a.residual_grad, a.ld_residual_grad,
           a.normalized, a.ld_normalized, a.dgamma, a.dbeta};
@@ -441,6 +456,87 @@ Status norm_dgrad(DType dtype, const NormDgradArgs& a, void* workspace, size_t w
 
 size_t norm_dgrad_workspace_size(DType dtype, const NormDgradArgs& a) {
   return gemm_workspace<Program::kNormDgrad>(dtype, operands(a), epilogue(a));
+}
+
+// ---- the LLaMA path
+
+Status norm_glu_linear(DType dtype, const NormGluArgs& a, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_activation(a.activation));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  if (a.n % 16 != 0) {
+    return detail::fail(Status::kMisaligned, "norm_glu_linear: n (2F) must be a multiple of 16, got " +
+                                                 std::to_string(a.n));
+  }
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("h", a.h, a.ldh, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("a", a.a, a.lda, a.n / 2, true));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, false));
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_glu_linear"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return gemm<Program::kNormGluLinear>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+}
+
+size_t norm_glu_linear_workspace_size(DType dtype, const NormGluArgs& a) {
+  return gemm_workspace<Program::kNormGluLinear>(dtype, operands(a), epilogue(a));
+}
+
+Status glu_dgrad(DType dtype, const GluDgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_activation(a.activation));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("h", a.h, a.ldh, 2 * a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dh", a.dh, a.lddh, 2 * a.n, true));
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "glu_dgrad"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return gemm<Program::kGluDgradRowDot>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+}
+
+size_t glu_dgrad_workspace_size(DType dtype, const GluDgradArgs& a) {
+  return gemm_workspace<Program::kGluDgradRowDot>(dtype, operands(a), epilogue(a));
+}
+
+Status norm_rope_linear(DType dtype, const NormRopeArgs& a, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, false));
+  CODA_RETURN_IF_ERROR(check_vector("shift", a.shift, false));
+  CODA_RETURN_IF_ERROR(check_vector("positions", a.positions, true));
+  CODA_RETURN_IF_ERROR(check_vector("freq", a.freq, true));
+  CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_rope_linear"));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return gemm<Program::kNormRopeLinear>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+}
+
+size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& a) {
+  return gemm_workspace<Program::kNormRopeLinear>(dtype, operands(a), epilogue(a));
+}
+
+Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0 || a.n % 2 != 0) {
+    return detail::fail(Status::kInvalidArgument, "rope_backward: m must be >= 0 and n positive and even");
+  }
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, a.c1 != nullptr));
+  CODA_RETURN_IF_ERROR(check_matrix("dp", a.dp, a.lddp, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("positions", a.positions, true));
+  CODA_RETURN_IF_ERROR(check_vector("freq", a.freq, true));
+  CODA_RETURN_IF_ERROR(check_vector("shift", a.shift, false));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::rope_backward(dtype, a, stream);
 }
 
 }  // namespace coda

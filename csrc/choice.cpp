@@ -14,11 +14,13 @@ namespace {
 std::atomic<int> override_config{-1}, override_raster{-1}, override_swizzle{-1};
 
 bool is_forward(Program p) {
-  return p == Program::kLinearAct || p == Program::kNormLinearAct || p == Program::kLinearResidualStats;
+  return p == Program::kLinearAct || p == Program::kNormLinearAct || p == Program::kLinearResidualStats ||
+         p == Program::kNormGluLinear || p == Program::kNormRopeLinear;
 }
 
 bool is_dgrad(Program p) {
-  return p == Program::kDActDBias || p == Program::kDActRowDot || p == Program::kNormDgrad;
+  return p == Program::kDActDBias || p == Program::kDActRowDot || p == Program::kNormDgrad ||
+         p == Program::kGluDgradRowDot;
 }
 
 // The first configuration built for (p, t) in this order.

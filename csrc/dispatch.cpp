@@ -44,6 +44,9 @@ const char* program_name(Program p) {
     case Program::kLinearResidualStats: return "linear_residual_stats";
     case Program::kDActRowDot: return "dact_rowdot";
     case Program::kNormDgrad: return "norm_dgrad";
+    case Program::kNormGluLinear: return "norm_glu_linear";
+    case Program::kGluDgradRowDot: return "glu_dgrad_rowdot";
+    case Program::kNormRopeLinear: return "norm_rope_linear";
   }
   return "unknown";
 }
@@ -95,6 +98,9 @@ CODA_PROGRAM(kNormLinearAct)
 CODA_PROGRAM(kLinearResidualStats)
 CODA_PROGRAM(kDActRowDot)
 CODA_PROGRAM(kNormDgrad)
+CODA_PROGRAM(kNormGluLinear)
+CODA_PROGRAM(kGluDgradRowDot)
+CODA_PROGRAM(kNormRopeLinear)
 #undef CODA_PROGRAM
 
 }  // namespace coda::kernels

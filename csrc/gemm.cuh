@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "error.h"
 #include "kernels.h"
@@ -154,6 +155,17 @@ struct AlternatingKMainloop : Base {
   }
 };
 
+// D's element: the program's ElementD where it names one (the GLU dgrad
+// stores (dg, du) bf16 pairs as 32-bit lanes), else the GEMM's dtype.
+template <class Prog, class E, class = void>
+struct ElementDOf {
+  using type = E;
+};
+template <class Prog, class E>
+struct ElementDOf<Prog, E, std::void_t<typename Prog::ElementD>> {
+  using type = typename Prog::ElementD;
+};
+
 template <DType T, class LayoutA, class LayoutB, Config C, template <class, class> class Program>
 struct Gemm {
   using Element = typename ElementOf<T>::type;
@@ -176,14 +188,21 @@ struct Gemm {
   // through the program's own loads.
   using EpiTile = typename EpilogueDescriptor::EpilogueTile;
   using StrideD_ = cutlass::detail::TagToStrideC_t<LayoutD>;
+  using ElementD = typename ElementDOf<EpilogueProgram, Element>::type;
+  // With no C the collective types C's smem as D's element, so C's atom and
+  // load op follow D's too.
+  using SmemLayoutAtomD = std::conditional_t<
+      std::is_same_v<ElementD, Element>, typename EpilogueDescriptor::SmemLayoutAtom,
+      decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<StrideD_, ElementD,
+                                                                                                  EpiTile>())>;
   using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveEpilogue<
       typename EpilogueDescriptor::DispatchPolicy, TileShape, EpiTile,
-      void, StrideD_, Element, StrideD_,
+      void, StrideD_, ElementD, StrideD_,
       typename EpilogueProgram::Callbacks,
-      cute::SM90_TMA_LOAD, typename EpilogueDescriptor::SmemLayoutAtom,
-      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, Element, EpiTile>()),
-      epilogues::TmaStoreL2, typename EpilogueDescriptor::SmemLayoutAtom,
-      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<StrideD_, Element, EpiTile>()),
+      cute::SM90_TMA_LOAD, SmemLayoutAtomD,
+      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_load_op_for_source<StrideD_, ElementD, EpiTile>()),
+      epilogues::TmaStoreL2, SmemLayoutAtomD,
+      decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<StrideD_, ElementD, EpiTile>()),
       cute::Copy_Atom<cute::SM90_U32x4_STSM_N, cutlass::half_t>,  // EpiTile's N is a multiple of 16
       void>;
   static_assert(cute::size<1>(EpiTile{}) % 16 == 0);
@@ -214,7 +233,7 @@ struct Gemm {
         {static_cast<Element const*>(p.a), stride_from_ld<StrideA>(p.lda),
          static_cast<Element const*>(p.b), stride_from_ld<StrideB>(p.ldb)},
         {EpilogueProgram::to_callbacks(epilogue), nullptr, stride_from_ld<StrideD>(p.ldd),
-         static_cast<Element*>(p.d), stride_from_ld<StrideD>(p.ldd)},
+         static_cast<ElementD*>(p.d), stride_from_ld<StrideD>(p.ldd)},
         hw_info};
     using Raster = typename Kernel::TileScheduler::RasterOrderOptions;
     args.scheduler.raster_order =

@@ -7,10 +7,13 @@
 #include "dact_dbias.hpp"
 #include "dact_dbias_rowdot.hpp"
 #include "gemm.cuh"
+#include "glu_dgrad_rowdot.hpp"
 #include "linear_act.hpp"
 #include "linear_residual_stats.hpp"
 #include "norm_dgrad.hpp"
+#include "norm_glu_linear.hpp"
 #include "norm_linear_act.hpp"
+#include "rope.hpp"
 #include "store.hpp"
 
 namespace coda::kernels {
@@ -43,6 +46,15 @@ template <> struct ProgramGemm<Program::kDActRowDot> {
 };
 template <> struct ProgramGemm<Program::kNormDgrad> {
   template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::NormDgrad>;
+};
+template <> struct ProgramGemm<Program::kNormGluLinear> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormGluLinear>;
+};
+template <> struct ProgramGemm<Program::kGluDgradRowDot> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::GluDgradRowDot>;
+};
+template <> struct ProgramGemm<Program::kNormRopeLinear> {
+  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormRopeLinear>;
 };
 
 // Carves 256-byte-aligned fp32 buffers out of an op's scratch bytes, or,
@@ -254,6 +266,68 @@ struct Steps<Program::kNormDgrad, T, C> {
     m.col_partials[1] = e.dbeta != nullptr ? a.dbeta_partials : nullptr; m.col_out[1] = e.dbeta;
     return merge_partials(T, m, p.stream);
   }
+};
+
+template <DType T, Config C>
+struct Steps<Program::kNormGluLinear, T, C> {
+  using G = typename ProgramGemm<Program::kNormGluLinear>::template type<T, C>;
+  using E = typename G::Element;
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const NormGluEpilogue&, char*, Args*) { return 0; }
+  static Args arguments(const NormGluEpilogue& e) {
+    Args a;
+    a.rstd = e.rstd;
+    a.act_out = static_cast<E*>(e.act_out);
+    a.ld_act_out = e.ld_act_out;
+    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    return a;
+  }
+  static Status finish(const GemmProblem&, const NormGluEpilogue&, const Args&) { return Status::kSuccess; }
+};
+
+// The c₁ partials per row and N-tile (N = F, one pair per column), merged to c₁.
+template <DType T, Config C>
+struct Steps<Program::kGluDgradRowDot, T, C> {
+  using G = typename ProgramGemm<Program::kGluDgradRowDot>::template type<T, C>;
+  using E = typename G::Element;
+  using Args = typename G::EpilogueProgram::Arguments;
+  using Partial = typename G::EpilogueProgram::Partial;
+  static size_t scratch(const GemmProblem& p, const GluDgradEpilogue& e, char* base, Args* a) {
+    Scratch s(base);
+    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.c1 != nullptr);
+    if (a != nullptr) a->c1_partials = c1;
+    return s.used();
+  }
+  static Args arguments(const GluDgradEpilogue& e) {
+    Args a;
+    a.pre_act = static_cast<E const*>(e.pre_act);
+    a.ld_pre_act = e.ld_pre_act;
+    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    return a;
+  }
+  static Status finish(const GemmProblem& p, const GluDgradEpilogue& e, const Args& a) {
+    if (e.c1 == nullptr) return Status::kSuccess;
+    PartialSums m;
+    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.scale;
+    m.row_partials[0] = a.c1_partials; m.row_out[0] = e.c1;
+    return merge_partials(T, m, p.stream);
+  }
+};
+
+template <DType T, Config C>
+struct Steps<Program::kNormRopeLinear, T, C> {
+  using G = typename ProgramGemm<Program::kNormRopeLinear>::template type<T, C>;
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const NormRopeEpilogue&, char*, Args*) { return 0; }
+  static Args arguments(const NormRopeEpilogue& e) {
+    Args a;
+    a.rstd = e.rstd;
+    a.shift = e.shift;
+    a.positions = e.positions;
+    a.freq = e.freq;
+    return a;
+  }
+  static Status finish(const GemmProblem&, const NormRopeEpilogue&, const Args&) { return Status::kSuccess; }
 };
 
 template <Program P, DType T, Config C>

@@ -50,8 +50,11 @@ enum class Program : int {
   kLinearResidualStats = 4,  // forward + residual + the next norm's row sums
   kDActRowDot = 5,           // dgrad with act', Σ_m and the norm's row dots
   kNormDgrad = 6,            // dgrad with the norm's input gradient
+  kNormGluLinear = 7,        // gate/up forward of a gated MLP: H and act(g)·u
+  kGluDgradRowDot = 8,       // down dgrad of a gated MLP: (dg, du) and the norm's row dot
+  kNormRopeLinear = 9,       // QKV forward with the rotary embedding
 };
-constexpr int kProgramCount = 7;
+constexpr int kProgramCount = 10;
 const char* program_name(Program p);
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
@@ -142,6 +145,29 @@ struct NormDgradEpilogue {
   void* dbeta = nullptr;
 };
 
+// (dg, du) are written as D; the GEMM's D is (M, F) 32-bit lanes.
+struct NormGluEpilogue {
+  const float* rstd = nullptr;
+  void* act_out = nullptr;
+  int64_t ld_act_out = 0;
+  int activation = 0;
+};
+
+struct GluDgradEpilogue {
+  const void* pre_act = nullptr;  // (M, 2F) H
+  int64_t ld_pre_act = 0;         // in elements
+  int activation = 0;
+  float scale = 1.f;
+  float* c1 = nullptr;  // (M) out: scale · Σ dH ⊙ H, or null
+};
+
+struct NormRopeEpilogue {
+  const float* rstd = nullptr;
+  const float* shift = nullptr;
+  const int32_t* positions = nullptr;
+  const float* freq = nullptr;
+};
+
 template <Program P>
 struct EpilogueOf;
 template <> struct EpilogueOf<Program::kLinearAct> { using type = LinearActEpilogue; };
@@ -151,6 +177,9 @@ template <> struct EpilogueOf<Program::kNormLinearAct> { using type = NormLinear
 template <> struct EpilogueOf<Program::kLinearResidualStats> { using type = LinearResidualStatsEpilogue; };
 template <> struct EpilogueOf<Program::kDActRowDot> { using type = DActRowDotEpilogue; };
 template <> struct EpilogueOf<Program::kNormDgrad> { using type = NormDgradEpilogue; };
+template <> struct EpilogueOf<Program::kNormGluLinear> { using type = NormGluEpilogue; };
+template <> struct EpilogueOf<Program::kGluDgradRowDot> { using type = GluDgradEpilogue; };
+template <> struct EpilogueOf<Program::kNormRopeLinear> { using type = NormRopeEpilogue; };
 template <Program P>
 using Epilogue = typename EpilogueOf<P>::type;
 
@@ -222,5 +251,8 @@ Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream);
 // norm_row_dots runs on `scratch` of norm_row_dots_scratch_bytes(a) bytes.
 Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* scratch, cudaStream_t stream);
 size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
+
+// The body of the public coda::rope_backward (csrc/rope_kernels.cu).
+Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream);
 
 }  // namespace coda::kernels

@@ -463,6 +463,24 @@ std::tuple<Tensor, Tensor> linear_residual_autograd(const Tensor& x, const Tenso
 
 }  // namespace
 
+// ---- for the LLaMA path's ops (glu_ops.cpp, rope_ops.cpp): RMSNorm only
+
+Tensor rms_stats_of(const Tensor& x, const OptTensor& stats, double eps) { return stats_for(x, stats, false, eps); }
+
+std::tuple<Tensor, Tensor> rms_fold_of(const Tensor& w, const Tensor& gamma, const OptTensor& bias) {
+  Fold f = fold(w, gamma, std::nullopt, bias, false);
+  return {f.weight, f.shift};
+}
+
+std::tuple<Tensor, Tensor, Tensor> rms_dgrad_of(const Tensor& dp, const Tensor& w, const Tensor& x,
+                                                const Tensor& stats, const Tensor& gamma, const Tensor& c1,
+                                                const OptTensor& residual_grad, bool want_normalized,
+                                                bool want_dgamma) {
+  NormGrads g = norm_dgrad_of(dp, w, x, stats_rows(stats), false, gamma, std::nullopt, c1, Tensor(), residual_grad,
+                              want_normalized, want_dgamma);
+  return {g.dx, g.normalized, g.dgamma};
+}
+
 CODA_TORCH_OP(row_stats, "row_stats(Tensor x, bool layernorm, float eps) -> Tensor")
 CODA_TORCH_OP(fold_norm_weight,
               "fold_norm_weight(Tensor weight, Tensor gamma, Tensor? beta, Tensor? bias, bool layernorm)"

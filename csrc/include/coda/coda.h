@@ -209,6 +209,81 @@ struct NormDgradArgs {
   void* dbeta = nullptr;             // (n) out, or null
 };
 
+// ---- the LLaMA path (bf16 only)
+
+// A = act(g) ⊙ u for the (g, u) pairs of a gated MLP, H = rstd ⊙ (X·W̃ᵀ): the
+// gate/up GEMM of SwiGLU / GeGLU with an RMSNorm folded in (rstd null: no
+// norm). The weight's rows alternate gate and up (row 2j = gate[j], row 2j+1 =
+// up[j]), so H's columns hold each (g, u) pair side by side.
+struct NormGluArgs {
+  int64_t m = 0, n = 0, k = 0;       // tokens, 2F (gate and up rows), in features
+  const void* x = nullptr;           // (m, k) the norm's input, not normalized
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n, k) W̃ = W∘γ from fold_norm_weight, rows interleaved
+  int64_t ldw = 0;
+  const float* rstd = nullptr;       // (m) or null (no norm)
+  Activation activation = Activation::kSiLU;  // the gate's
+  void* h = nullptr;                 // (m, n) out H (the backward's input)
+  int64_t ldh = 0;
+  void* a = nullptr;                 // (m, n/2) out A
+  int64_t lda = 0;
+};
+
+// dH = (dg, du) from dA = dY·W_down and the saved H: du = dA ⊙ act(g),
+// dg = dA ⊙ u ⊙ act'(g), written interleaved as H is, and the RMSNorm row dot
+// c₁ = norm_scale·Σ_n dH ⊙ H in the same epilogue.
+struct GluDgradArgs {
+  int64_t m = 0, n = 0, k = 0;       // tokens, F (A's width), out features of the down projection
+  const void* dy = nullptr;          // (m, k)
+  int64_t lddy = 0;
+  const void* weight = nullptr;      // (k, n) W_down, nn.Linear layout
+  int64_t ldw = 0;
+  Activation activation = Activation::kSiLU;
+  const void* h = nullptr;           // (m, 2n) H, (g, u) pairs; ldh even, 16-byte aligned rows
+  int64_t ldh = 0;
+  void* dh = nullptr;                // (m, 2n) out dH; lddh even
+  int64_t lddh = 0;
+  float norm_scale = 1.f;            // 1 / the norm's size
+  float* norm_c1 = nullptr;          // (m) out, or null
+};
+
+// Y = RoPE(rstd ⊙ (X·W̃ᵀ) + t): the QKV projection of an RMSNorm'd X with its
+// rotary embedding in the epilogue. Each adjacent column pair (2j, 2j+1) is
+// rotated by φ = 2π·pos[m]·(freq[2j] + freq[2j+1]) (freq in turns, split hi +
+// lo; 0 on v's columns); for Hugging Face's rotate-half convention the q/k
+// head rows of W are stored pair-permuted (python/coda/ops/rope.py).
+struct NormRopeArgs {
+  int64_t m = 0, n = 0, k = 0;
+  const void* x = nullptr;           // (m, k)
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n, k) W̃
+  int64_t ldw = 0;
+  const float* rstd = nullptr;       // (m) or null (no norm)
+  const float* shift = nullptr;      // (n) t, or null
+  const int32_t* positions = nullptr;  // (m), exact below 2^24
+  const float* freq = nullptr;       // (n)
+  void* y = nullptr;                 // (m, n) out
+  int64_t ldy = 0;
+};
+
+// dP = R(−φ)·dY per column pair (the gradient before the rotation) and,
+// optionally, the RMSNorm row dot c₁[m] = scale·Σ_n dP ⊙ (R(−φ)·Y − shift)
+// from the forward's rotated output Y.
+struct RopeBackwardArgs {
+  int64_t m = 0, n = 0;              // tokens, columns (even)
+  const void* dy = nullptr;          // (m, n) gradient of the rotated output
+  int64_t lddy = 0;
+  const void* y = nullptr;           // (m, n) the rotated output, or null (then c1 must be null)
+  int64_t ldy = 0;
+  const int32_t* positions = nullptr;  // (m)
+  const float* freq = nullptr;       // (n) as NormRopeArgs
+  const float* shift = nullptr;      // (n) or null
+  float scale = 1.f;
+  void* dp = nullptr;                // (m, n) out; may be dy (in place)
+  int64_t lddp = 0;
+  float* c1 = nullptr;               // (m) out, or null
+};
+
 // Each op runs on `stream`. `workspace` may be null: then the op allocates
 // what it needs stream-ordered (cudaMallocAsync) and frees it after.
 Status linear(DType dtype, const LinearArgs& args, void* workspace, size_t workspace_bytes,
@@ -229,6 +304,14 @@ Status norm_row_dots(DType dtype, const NormRowDotsArgs& args, void* workspace, 
 Status norm_dgrad(DType dtype, const NormDgradArgs& args, void* workspace, size_t workspace_bytes,
                   cudaStream_t stream);
 
+Status norm_glu_linear(DType dtype, const NormGluArgs& args, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream);
+Status glu_dgrad(DType dtype, const GluDgradArgs& args, void* workspace, size_t workspace_bytes,
+                 cudaStream_t stream);
+Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
+
 size_t linear_workspace_size(DType dtype, const LinearArgs& args);
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);
 size_t linear_residual_workspace_size(DType dtype, const LinearResidualArgs& args);
@@ -236,6 +319,9 @@ size_t norm_dgrad_workspace_size(DType dtype, const NormDgradArgs& args);
 size_t norm_row_dots_workspace_size(DType dtype, const NormRowDotsArgs& args);
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& args);
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
+size_t norm_glu_linear_workspace_size(DType dtype, const NormGluArgs& args);
+size_t glu_dgrad_workspace_size(DType dtype, const GluDgradArgs& args);
+size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& args);
 
 // True when the device can run coda's kernels (sm_90).
 bool device_supported(int device);

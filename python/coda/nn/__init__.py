@@ -7,8 +7,10 @@ from .linear import Linear
 from .mlp import MLP
 from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear
 from .norm_mlp import LayerNormMLP
+from .rope import RMSNormQKVRoPE
 
-__all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "fold_weights", "unfold_weights"]
+__all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormQKVRoPE",
+           "fold_weights", "unfold_weights"]
 
 
 def fold_weights(model: nn.Module) -> nn.Module:
