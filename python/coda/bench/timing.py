@@ -159,7 +159,8 @@ class Runner:
         self.skipped.append({"case": case, "impl": impl, "reason": reason})
 
     def interleaved(self, case: str, impls: Dict[str, Step], flops: Optional[float] = None,
-                    reference: Optional[str] = None) -> List[Dict]:
+                    reference: Optional[str] = None,
+                    views: Optional[Dict[str, Callable[[object], object]]] = None) -> List[Dict]:
         """The impls timed in turn, `rounds` times over, each round starting one impl
         further along the list; median_ms is the median of the rounds' medians (p20_ms,
         p80_ms the medians of theirs), round_ms each round's, host_ms the time to
@@ -169,7 +170,9 @@ class Runner:
 
         Each impl runs once before any timing (torch.compile compiles there, outside
         the timed region); with `reference`, its result is compared with that impl's
-        (rel_diff_to_<reference>), so that an impl computing something else shows."""
+        (rel_diff_to_<reference>), so that an impl computing something else shows;
+        views[name], where given, first turns that impl's result into the reference's
+        layout (coda's permuted weights), outside any timing."""
         live: Dict[str, Step] = {}
         diffs: Dict[str, float] = {}
         ref = None
@@ -186,6 +189,8 @@ class Runner:
             if reference is not None and name == reference:
                 ref = out
             elif ref is not None and name != "cublas":  # the GEMMs alone compute something else
+                if views and name in views:
+                    out = views[name](out)
                 d = rel_diff(out, ref)
                 if d is not None:
                     diffs[name] = d
