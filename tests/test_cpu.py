@@ -50,7 +50,7 @@ def test_kernel_table_is_what_the_library_ships():
         pytest.skip("the extension is not built here")
     built = _kernels.kernels_built()
     assert set(built) == {"linear_act", "dact_dbias", "wgrad_store", "norm_linear_act", "linear_residual_stats",
-                          "dact_rowdot", "norm_dgrad"}
+                          "dact_rowdot", "norm_dgrad", "norm_glu_linear", "glu_dgrad_rowdot", "norm_rope_linear"}
     assert built["linear_act"].items() >= {0: "cooperative_128x256_2x1", 1: "pingpong_128x128_1x2",
                                            3: "cooperative_128x128_1x2"}.items()
     assert set(_kernels.launch_counts()) >= {"linear_act/pingpong_128x128_1x2"}
