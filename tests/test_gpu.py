@@ -58,9 +58,13 @@ def run(fn, inputs, dy):
     return y.detach(), [None if t is None else t.grad for t in ins]
 
 
-def check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, check_grads=True):
+def check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, check_grads=True, tokens=None):
     """coda (fn) and the unfused torch path (ref_fn) in the inputs' dtype, both
-    against ref_fn in float64 on the same inputs; fn must launch kernels."""
+    against ref_fn in float64 on the same inputs; fn must launch kernels.
+
+    tokens: the rows the op ran over. A weight gradient (out, in) of few
+    tokens is a sum of that many outer products, so its relative error is an
+    estimate over tokens·in roundings, not out·in: the slack follows that."""
     poison_cuda_allocator(out_bytes)
     before = launches()
     if check_grads:
@@ -75,7 +79,8 @@ def check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, check_grads=Tru
     within_torch_error(f"{name} out", rel_err(y, y64), rel_err(yt, y64), numel=y64.numel())
     for i, (g, g64, gt) in enumerate(zip(grads, grads64, gradst)):
         if g64 is not None:
-            within_torch_error(f"{name} grad[{i}]", rel_err(g, g64), rel_err(gt, g64), numel=g64.numel())
+            numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
+            within_torch_error(f"{name} grad[{i}]", rel_err(g, g64), rel_err(gt, g64), numel=numel)
 
 
 LINEAR_SHAPES = [(1000, 1032, 3000), (1, 1032, 3000), (7, 256, 512), (32768, 1024, 1024)]

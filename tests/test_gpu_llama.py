@@ -31,7 +31,7 @@ def programs_since(before: dict) -> set:
 def check(name, fn, ref_fn, inputs, dy, out_bytes, programs):
     """check_against_torch, and each of `programs` launched on the way."""
     before = launches()
-    check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes)
+    check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, tokens=dy.reshape(-1, dy.shape[-1]).shape[0])
     ran = programs_since(before)
     assert set(programs) <= ran, f"{name}: {sorted(set(programs) - ran)} did not run (ran {sorted(ran)})"
 
