@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "activation.hpp"
+#include "block_sum.cuh"
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
@@ -23,22 +24,6 @@ struct alignas(16) Vec8 {
 };
 
 constexpr int kThreads = 256;
-
-// Sum of `v` over the warp; every lane gets it.
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
-}
-
-// Sum of `v` over the block; every thread gets it. `shared` holds kThreads/32 floats.
-__device__ float block_sum(float v, float* shared) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read from a previous call
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  return warp_sum(lane < kThreads / 32 ? shared[lane] : 0.f);
-}
 
 Status launched(const char* what) {
   cudaError_t e = cudaGetLastError();
@@ -222,8 +207,8 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
     if (K != epilogues::ActivationKind::kIdentity) *reinterpret_cast<Vec8<T>*>(dp + r * lddp + j) = out;
   }
   if (c1 == nullptr) return;  // block-uniform
-  a1 = block_sum(a1, shared);
-  a2 = block_sum(a2, shared);
+  a1 = block_sum<kThreads>(a1, shared);
+  a2 = block_sum<kThreads>(a2, shared);
   if (threadIdx.x == 0) {
     c1[r] = scale * a1;
     if (c2 != nullptr) c2[r] = scale * a2;

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "block_sum.cuh"
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
@@ -51,21 +52,6 @@ __device__ void load_cols(const float* __restrict__ p, int64_t j, float (&out)[V
 #pragma unroll
     for (int e = 0; e < V; ++e) out[e] = p[j + e];
   }
-}
-
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  return v;
-}
-
-// Sum of `v` over the block; thread 0 gets it. `shared` holds kThreads/32 floats.
-__device__ float block_sum(float v, float* shared) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read from the previous row
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  return warp_sum(lane < kThreads / 32 ? shared[lane] : 0.f);
 }
 
 // One block per row (the rows loop for grids past 2^31 − 1 blocks), a thread
@@ -108,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) rope_backward_kernel(
       *reinterpret_cast<Chunk<T, V>*>(dp + r * lddp + j) = out;
     }
     if (dots) {
-      acc = block_sum(acc, shared);
+      acc = block_sum<kThreads>(acc, shared);
       if (threadIdx.x == 0) c1[r] = scale * acc;
     }
   }

@@ -73,3 +73,29 @@ def check_op(op, args) -> None:
     with FakeTensorMode() as mode:
         fake = op(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, args))
     assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], op
+
+
+def rms_stats_rows(x, eps):
+    """(2, m) float32 RMSNorm stats, rows 16 bytes apart as the C++ ops allocate them."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    m = x2.shape[0]
+    out = torch.zeros(2, (m + 3) // 4 * 4)[:, :m]
+    out[1] = torch.rsqrt(x2.square().mean(-1) + eps)
+    return out
+
+
+def cpu_stand_in(monkeypatch, impls):
+    """The built coda ops `impls` names run its CPU functions instead (a
+    generator for a fixture: the registration lasts until it resumes), and
+    every call takes the kernel path: what is checked is the op call, its
+    fakes and its C++ autograd, not the kernels."""
+    import pytest
+    from coda import _kernels
+    if not all(_kernels.has_op(name) for name in impls):
+        pytest.skip("coda._C is not built with these ops")
+    lib = torch.library.Library("coda", "IMPL")
+    for name, fn in impls.items():
+        lib.impl(name, fn, "CPU")
+    monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes: True)
+    yield
+    lib._destroy()

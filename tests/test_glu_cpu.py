@@ -8,6 +8,7 @@ stand-in for the op)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cpu_stand_in, rms_stats_rows
 
 import coda
 from coda import _activations, _kernels, ops
@@ -216,31 +217,12 @@ def test_module_init_is_nn_linears():
 
 # ---- the kernel path's call, against the spec's schema (a CPU stand-in for the op)
 
-SCHEMAS = {
-    "norm_glu_mlp": "norm_glu_mlp(Tensor x, Tensor? norm_weight, Tensor w_gate_up, Tensor w_down, Tensor? stats, "
-                    "Tensor? residual, bool add_input, float eps, int activation, bool save, bool want_stats) "
-                    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "norm_glu_mlp_backward": "norm_glu_mlp_backward(Tensor dy, Tensor x, Tensor? norm_weight, Tensor w_gate_up, "
-                             "Tensor w_down, Tensor h, Tensor a, Tensor? stats, bool add_input, int activation, "
-                             "bool[4] needs) -> (Tensor, Tensor, Tensor, Tensor)",
-}
-
-
-def _stats2(x, eps):
-    """(2, m) float32 RMSNorm stats, rows 16 bytes apart as the C++ ops allocate them."""
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    m = x2.shape[0]
-    out = torch.zeros(2, (m + 3) // 4 * 4)[:, :m]
-    out[1] = torch.rsqrt(x2.square().mean(-1) + eps)
-    return out
-
-
 def _norm_glu_mlp_cpu(x, norm_weight, w_gate_up, w_down, stats, residual, add_input, eps, activation, save,
                       want_stats):
     e = x.new_empty
     n = x
     if norm_weight is not None:
-        rstd = (stats if stats is not None else _stats2(x, eps))[1].reshape(*x.shape[:-1], 1)
+        rstd = (stats if stats is not None else rms_stats_rows(x, eps))[1].reshape(*x.shape[:-1], 1)
         n = (x.float() * rstd * norm_weight.float()).to(x.dtype)
     h = F.linear(n, w_gate_up)
     a = _activations.apply(h[..., 0::2], activation) * h[..., 1::2]
@@ -248,8 +230,8 @@ def _norm_glu_mlp_cpu(x, norm_weight, w_gate_up, w_down, stats, residual, add_in
     if add_input or residual is not None:
         y = y + (x if add_input else residual)
     return (y, h.reshape(-1, h.shape[-1]).clone() if save else e(0), a.reshape(-1, a.shape[-1]).clone() if save
-            else e(0), _stats2(x, eps) if norm_weight is not None and stats is None else e(0).float(),
-            _stats2(y, eps) if want_stats else e(0).float())
+            else e(0), rms_stats_rows(x, eps) if norm_weight is not None and stats is None else e(0).float(),
+            rms_stats_rows(y, eps) if want_stats else e(0).float())
 
 
 def _norm_glu_mlp_backward_cpu(dy, x, norm_weight, w_gate_up, w_down, h, a, stats, add_input, activation, needs):
@@ -258,28 +240,13 @@ def _norm_glu_mlp_backward_cpu(dy, x, norm_weight, w_gate_up, w_down, h, a, stat
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """coda::norm_glu_mlp on the CPU: the built op where the extension has it,
-    else the op defined here from the spec's schema, with glu.py's fakes."""
-    if not _kernels.available():
-        pytest.skip("coda._C is not built: the kernel path cannot be taken")
-    if glu._registered("norm_glu_mlp"):
-        lib = torch.library.Library("coda", "IMPL")
-    else:
-        lib = torch.library.Library("coda", "FRAGMENT")
-        for schema in SCHEMAS.values():
-            lib.define(schema)
-        glu._register_fakes(lib)
-    lib.impl("norm_glu_mlp", _norm_glu_mlp_cpu, "CPU")
-    lib.impl("norm_glu_mlp_backward", _norm_glu_mlp_backward_cpu, "CPU")
-    monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes: True)
-    yield
-    lib._destroy()
+    yield from cpu_stand_in(monkeypatch, {"norm_glu_mlp": _norm_glu_mlp_cpu, "norm_glu_mlp_backward": _norm_glu_mlp_backward_cpu})
 
 
 def _kernel_cases():
     x, wg, wu, wd, gamma = (t.float() for t in _weights())
     w, r = ops.interleave_gate_up(wg, wu), torch.randn(3, 5, 32)
-    st = _stats2(x, 1e-6).t().reshape(3, 5, 2)  # not row_stats: its op has no stand-in here
+    st = rms_stats_rows(x, 1e-6).t().reshape(3, 5, 2)  # not row_stats: its op has no stand-in here
     return [
         (lambda: ops.glu_mlp(x, w, wd, "gelu_tanh", r), lambda: ops.glu_mlp_reference(x, w, wd, "gelu_tanh", r)),
         (lambda: ops.glu_mlp(x, w, wd, residual=x), lambda: ops.glu_mlp_reference(x, w, wd, residual=x)),
@@ -311,7 +278,7 @@ def test_fakes_match_the_stand_in(stand_in):
     w = ops.interleave_gate_up(wg, wu)
     for args in [(x, gamma, w, wd, None, None, True, 1e-6, 4, True, True),
                  (x, None, w, wd, None, x * 0.5, False, 0.0, 1, False, False),
-                 (x, gamma, w, wd, _stats2(x, 1e-6), None, True, 1e-6, 2, True, False)]:
+                 (x, gamma, w, wd, rms_stats_rows(x, 1e-6), None, True, 1e-6, 2, True, False)]:
         torch.library.opcheck(torch.ops.coda.norm_glu_mlp.default, args,
                               test_utils=("test_schema", "test_faketensor"))
 

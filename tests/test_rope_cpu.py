@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cpu_stand_in, rms_stats_rows
 
 import coda
 from coda import _kernels, ops
@@ -386,30 +387,13 @@ def test_layout_errors_name_the_argument():
 
 # ---- the kernel path's call, against the spec's schema (a CPU stand-in for the op)
 
-SCHEMAS = {
-    "rmsnorm_linear_rope": "rmsnorm_linear_rope(Tensor x, Tensor norm_weight, Tensor weight, Tensor? bias, "
-                           "Tensor positions, Tensor freq, Tensor? stats, float eps) -> (Tensor, Tensor, Tensor)",
-    "rmsnorm_linear_rope_backward": "rmsnorm_linear_rope_backward(Tensor dy, Tensor x, Tensor norm_weight, "
-                                    "Tensor weight, Tensor y, Tensor positions, Tensor freq, Tensor stats, "
-                                    "Tensor shift, bool[4] needs) -> (Tensor, Tensor, Tensor, Tensor)",
-}
-
-
-def _stats2(x, eps):
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    m = x2.shape[0]
-    out = torch.zeros(2, (m + 3) // 4 * 4)[:, :m]
-    out[1] = torch.rsqrt(x2.square().mean(-1) + eps)
-    return out
-
-
 def _rope_cpu(x, norm_weight, weight, bias, positions, freq, stats, eps):
     assert positions.dtype == torch.int32 and positions.shape == (math.prod(x.shape[:-1]),)
     assert positions.is_contiguous()
-    rstd = (stats if stats is not None else _stats2(x, eps))[1].reshape(*x.shape[:-1], 1)
+    rstd = (stats if stats is not None else rms_stats_rows(x, eps))[1].reshape(*x.shape[:-1], 1)
     h = F.linear((x.float() * rstd * norm_weight.float()).to(x.dtype), weight, bias)
     y = rope._rotate_pairs(h, positions.view(x.shape[:-1]), freq)
-    return (y, _stats2(x, eps) if stats is None else x.new_empty(0).float(),
+    return (y, rms_stats_rows(x, eps) if stats is None else x.new_empty(0).float(),
             bias.float().clone() if bias is not None else weight.new_zeros(weight.shape[0]).float())
 
 
@@ -419,20 +403,7 @@ def _rope_backward_cpu(dy, x, norm_weight, weight, y, positions, freq, stats, sh
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    if not _kernels.available():
-        pytest.skip("coda._C is not built: the kernel path cannot be taken")
-    if rope._registered("rmsnorm_linear_rope"):
-        lib = torch.library.Library("coda", "IMPL")
-    else:
-        lib = torch.library.Library("coda", "FRAGMENT")
-        for schema in SCHEMAS.values():
-            lib.define(schema)
-        rope._register_fakes(lib)
-    lib.impl("rmsnorm_linear_rope", _rope_cpu, "CPU")
-    lib.impl("rmsnorm_linear_rope_backward", _rope_backward_cpu, "CPU")
-    monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes: True)
-    yield
-    lib._destroy()
+    yield from cpu_stand_in(monkeypatch, {"rmsnorm_linear_rope": _rope_cpu, "rmsnorm_linear_rope_backward": _rope_backward_cpu})
 
 
 @pytest.mark.parametrize("bias,with_stats", [(False, False), (True, True)])
@@ -440,7 +411,7 @@ def test_kernel_path_call_matches_the_schema(stand_in, bias, with_stats):
     hd, nh, nkv, d = 16, 2, 1, 32
     x, g, w = _rand(3, 4, d, dtype=torch.float32), torch.ones(d), _rand(64, d, seed=2, dtype=torch.float32)
     b = _rand(64, seed=3, dtype=torch.float32) if bias else None
-    st = _stats2(x, EPS).t().reshape(3, 4, 2) if with_stats else None
+    st = rms_stats_rows(x, EPS).t().reshape(3, 4, 2) if with_stats else None
     pos, freq = torch.arange(12).view(3, 4).flip(-1), ops.rope_frequencies(hd, nh, nkv)  # int64: cast inside
 
     def fn():

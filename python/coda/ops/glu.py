@@ -35,12 +35,6 @@ __all__ = ["glu_mlp", "norm_glu_mlp", "glu_mlp_reference", "norm_glu_mlp_referen
 GATE_ACTIVATIONS = ("silu", "swish", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_erf")
 
 
-def _registered(name: str) -> bool:
-    """Whether the loaded extension has torch.ops.coda.<name> (one built before
-    the op was added has not: its calls then run the reference path)."""
-    return _kernels.available() and hasattr(torch.ops.coda, name)
-
-
 def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
     """The fakes of coda::norm_glu_mlp and its backward (lib: tie their
     lifetime to a Library, as a test that defines the ops does)."""
@@ -61,7 +55,7 @@ def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
                 e(w_gate_up.shape) if needs[2] else e(0), e(w_down.shape) if needs[3] else e(0))
 
 
-if _registered("norm_glu_mlp"):
+if _kernels.has_op("norm_glu_mlp"):
     _register_fakes()
 
 
@@ -152,7 +146,7 @@ def _use_kernel(op: str, x: Tensor, layernorm: bool, w_gate_up: Tensor, w_down: 
         return False
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], w_gate_up.shape[0] // 2, w_down.shape[0])):
         return False
-    if not _registered("norm_glu_mlp"):
+    if not _kernels.has_op("norm_glu_mlp"):
         _kernels.fallback(op, "the loaded coda._C predates coda::norm_glu_mlp (rebuild the extension)")
         return False
     return True

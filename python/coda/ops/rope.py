@@ -44,12 +44,6 @@ __all__ = ["rope_frequencies", "rope_permute_qk", "rope_unpermute_qk", "rmsnorm_
            "rmsnorm_linear_rope_reference"]
 
 
-def _registered(name: str) -> bool:
-    """Whether the loaded extension has torch.ops.coda.<name> (one built before
-    the op was added has not: its calls then run the reference path)."""
-    return _kernels.available() and hasattr(torch.ops.coda, name)
-
-
 def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
     """The fakes of coda::rmsnorm_linear_rope and its backward (lib: tie their
     lifetime to a Library, as a test that defines the ops does)."""
@@ -66,7 +60,7 @@ def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
                 e(weight.shape) if needs[2] else e(0), e(weight.shape[0]) if needs[3] else e(0))
 
 
-if _registered("rmsnorm_linear_rope"):
+if _kernels.has_op("rmsnorm_linear_rope"):
     _register_fakes()
 
 
@@ -221,7 +215,7 @@ def rmsnorm_linear_rope(x: Tensor, norm_weight: Tensor, weight: Tensor, position
         if t is not None:
             _checks.like(name, t, x, op)
     use = _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0]))
-    if use and not _registered(op):
+    if use and not _kernels.has_op(op):
         _kernels.fallback(op, "the loaded coda._C predates coda::rmsnorm_linear_rope (rebuild the extension)")
         use = False
     if not use:
