@@ -8,19 +8,10 @@
 // gate/up dgrad's epilogue applies the norm's backward (norm_dgrad.hpp). No
 // pass over the (tokens, 2F) activation of its own in either direction.
 #include "autograd.h"
+#include "shared_ops.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
-
-// linear_ops.cpp, norm_ops.cpp
-Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activation act, const Tensor& dbias);
-Tensor wgrad_of(const Tensor& dy, const Tensor& x);
-Tensor rms_stats_of(const Tensor& x, const OptTensor& stats, double eps);
-std::tuple<Tensor, Tensor> rms_fold_of(const Tensor& w, const Tensor& gamma, const OptTensor& bias);
-std::tuple<Tensor, Tensor, Tensor> rms_dgrad_of(const Tensor& dp, const Tensor& w, const Tensor& x,
-                                                const Tensor& stats, const Tensor& gamma, const Tensor& c1,
-                                                const OptTensor& residual_grad, bool want_normalized,
-                                                bool want_dgamma);
 
 namespace {
 

@@ -5,14 +5,10 @@
 //
 //   Norm(x)·Wᵀ + b = rstd ⊙ (x·W̃ᵀ − mean ⊙ s) + t,  W̃ = W∘γ, s = Σ_k W̃, t = W·β + b
 #include "autograd.h"
+#include "shared_ops.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
-
-// linear_ops.cpp
-Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activation act, const Tensor& dbias);
-Tensor wgrad_of(const Tensor& dy, const Tensor& x);
-std::tuple<Tensor, Tensor> act_grad_of(const Tensor& dy, const OptTensor& h, Activation act, bool want_dbias);
 
 namespace {
 

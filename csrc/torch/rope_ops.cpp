@@ -8,18 +8,10 @@
 // where no epilogue reaches), then the norm's backward in the dgrad GEMM's
 // epilogue as for any folded norm.
 #include "autograd.h"
+#include "shared_ops.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
-
-// linear_ops.cpp, norm_ops.cpp
-Tensor wgrad_of(const Tensor& dy, const Tensor& x);
-Tensor rms_stats_of(const Tensor& x, const OptTensor& stats, double eps);
-std::tuple<Tensor, Tensor> rms_fold_of(const Tensor& w, const Tensor& gamma, const OptTensor& bias);
-std::tuple<Tensor, Tensor, Tensor> rms_dgrad_of(const Tensor& dp, const Tensor& w, const Tensor& x,
-                                                const Tensor& stats, const Tensor& gamma, const Tensor& c1,
-                                                const OptTensor& residual_grad, bool want_normalized,
-                                                bool want_dgamma);
 
 namespace {
 
