@@ -99,3 +99,13 @@ def cpu_stand_in(monkeypatch, impls):
     monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes: True)
     yield
     lib._destroy()
+
+
+def compiled_once(fn):
+    """fn() traced whole by torch.compile (aot_eager: the fakes give every
+    output's shape, dtype and strides), from a fresh dynamo cache."""
+    torch._dynamo.reset()
+    try:
+        return torch.compile(fn, fullgraph=True, backend="aot_eager")()
+    finally:
+        torch._dynamo.reset()

@@ -8,7 +8,7 @@ stand-in for the op)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpu_stand_in, rms_stats_rows
+from helpers import compiled_once, cpu_stand_in, rms_stats_rows
 
 import coda
 from coda import _activations, _kernels, ops
@@ -265,11 +265,7 @@ def test_kernel_path_call_matches_the_schema(stand_in, case):
         got, want = fn(), ref()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # the fakes: shapes, dtypes and strides of the stand-in's outputs
-        torch._dynamo.reset()
-        try:
-            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")()
-        finally:
-            torch._dynamo.reset()
+        compiled = compiled_once(fn)
     torch.testing.assert_close(compiled, got)
 
 

@@ -7,6 +7,7 @@ kernels (tests/test_gpu*.py check those against float64)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cpu_stand_in
 
 from coda import _activations, _kernels
 from coda.ops import layernorm_linear, linear, linear_residual, mlp, norm_mlp, rmsnorm_linear
@@ -130,12 +131,7 @@ STAND_INS = {"linear": _linear, "linear_backward": _linear_backward, "mlp": _mlp
 
 @pytest.fixture
 def cpu_ops(monkeypatch):
-    lib = torch.library.Library("coda", "IMPL")
-    for name, fn in STAND_INS.items():
-        lib.impl(name, fn, "CPU")
-    monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes: True)
-    yield
-    lib._destroy()
+    yield from cpu_stand_in(monkeypatch, STAND_INS)
 
 
 def _params(d=32, f=64, n=48):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpu_stand_in, rms_stats_rows
+from helpers import compiled_once, cpu_stand_in, rms_stats_rows
 
 import coda
 from coda import _kernels, ops
@@ -421,11 +421,7 @@ def test_kernel_path_call_matches_the_schema(stand_in, bias, with_stats):
         got = fn()
         torch.testing.assert_close(got, ops.rmsnorm_linear_rope_reference(x, g, w, pos, freq, b, EPS, st),
                                    rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        try:
-            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")()
-        finally:
-            torch._dynamo.reset()
+        compiled = compiled_once(fn)
     torch.testing.assert_close(compiled, got)
     args = (x, g, w, b, pos.reshape(-1).int(), freq, None if st is None else st.reshape(-1, 2).t(), EPS)
     torch.library.opcheck(torch.ops.coda.rmsnorm_linear_rope.default, args,

@@ -35,11 +35,8 @@ __all__ = ["glu_mlp", "norm_glu_mlp", "glu_mlp_reference", "norm_glu_mlp_referen
 GATE_ACTIVATIONS = ("silu", "swish", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_erf")
 
 
-def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
-    """The fakes of coda::norm_glu_mlp and its backward (lib: tie their
-    lifetime to a Library, as a test that defines the ops does)."""
-
-    @torch.library.register_fake("coda::norm_glu_mlp", lib=lib)
+if _kernels.has_op("norm_glu_mlp"):  # an extension built before the op has none
+    @torch.library.register_fake("coda::norm_glu_mlp")
     def _(x, norm_weight, w_gate_up, w_down, stats, residual, add_input, eps, activation, save, want_stats):
         m, f2 = math.prod(x.shape[:-1]), w_gate_up.shape[0]
         return (x.new_empty(*x.shape[:-1], w_down.shape[0]),
@@ -48,15 +45,11 @@ def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
                 _stats_fake(x, m) if norm_weight is not None and stats is None else _f32(x),
                 _stats_fake(x, m) if want_stats else _f32(x))
 
-    @torch.library.register_fake("coda::norm_glu_mlp_backward", lib=lib)
+    @torch.library.register_fake("coda::norm_glu_mlp_backward")
     def _(dy, x, norm_weight, w_gate_up, w_down, h, a, stats, add_input, activation, needs):
         e = x.new_empty
         return (e(x.shape) if needs[0] else e(0), e(x.shape[-1]) if needs[1] else e(0),
                 e(w_gate_up.shape) if needs[2] else e(0), e(w_down.shape) if needs[3] else e(0))
-
-
-if _kernels.has_op("norm_glu_mlp"):
-    _register_fakes()
 
 
 # ---- weight layouts

@@ -44,24 +44,17 @@ __all__ = ["rope_frequencies", "rope_permute_qk", "rope_unpermute_qk", "rmsnorm_
            "rmsnorm_linear_rope_reference"]
 
 
-def _register_fakes(lib: Optional[torch.library.Library] = None) -> None:
-    """The fakes of coda::rmsnorm_linear_rope and its backward (lib: tie their
-    lifetime to a Library, as a test that defines the ops does)."""
-
-    @torch.library.register_fake("coda::rmsnorm_linear_rope", lib=lib)
+if _kernels.has_op("rmsnorm_linear_rope"):  # an extension built before the op has none
+    @torch.library.register_fake("coda::rmsnorm_linear_rope")
     def _(x, norm_weight, weight, bias, positions, freq, stats, eps):
         m, n = math.prod(x.shape[:-1]), weight.shape[0]
         return x.new_empty(*x.shape[:-1], n), _stats_fake(x, m) if stats is None else _f32(x), _f32(x, n)
 
-    @torch.library.register_fake("coda::rmsnorm_linear_rope_backward", lib=lib)
+    @torch.library.register_fake("coda::rmsnorm_linear_rope_backward")
     def _(dy, x, norm_weight, weight, y, positions, freq, stats, shift, needs):
         e = x.new_empty
         return (e(x.shape) if needs[0] else e(0), e(x.shape[-1]) if needs[1] else e(0),
                 e(weight.shape) if needs[2] else e(0), e(weight.shape[0]) if needs[3] else e(0))
-
-
-if _kernels.has_op("rmsnorm_linear_rope"):
-    _register_fakes()
 
 
 # ---- the layout: frequencies and the q/k row permutation
