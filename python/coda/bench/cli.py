@@ -1,8 +1,21 @@
 """python -m coda.bench: coda against its baselines, all timed in turn in one run.
 
-Default: the GPT-style block without its attention (LayerNorm -> QKV, o-proj +
-residual, LayerNorm -> GELU MLP + residual), forward and forward + backward, at
-8192 tokens and d 1024, 2048, 4096 (ffn 4d), bf16. Impls:
+Default: the training comparison (train.py). A LLaMA-3.2-1B-shaped LlamaForCausalLM
+and a GPT-2-medium-shaped GPT2LMHeadModel, random weights from their configs, train
+for --warmup-steps untimed and --steps timed steps on random tokens (batch 4 x 2048,
+bf16 weights, fused AdamW) with each impl: hf (Hugging Face, SDPA attention), liger
+(Liger-Kernel's patch, where installed; none for GPT-2), compile (torch.compile),
+coda (coda.hf.patch) and coda_compile (both). It prints per impl its median step
+time, tokens/s, the ratio to hf, peak memory and last loss; `--out DIR` writes
+DIR/<date>-<device>-train-<commit>.json (rewritten after each impl: a run cut short
+keeps what it timed) and, where matplotlib is installed, a .png of the same name
+(tokens/s, peak memory, the loss curves). Without a GPU on which coda's kernels run,
+it says so and trains tiny configs on the CPU in float32.
+
+`--kernels`: the kernel-level benchmarks. By default the GPT-style block without its
+attention (LayerNorm -> QKV, o-proj + residual, LayerNorm -> GELU MLP + residual),
+forward and forward + backward, at 8192 tokens and d 1024, 2048, 4096 (ffn 4d), bf16.
+Impls:
   coda      the block composed from coda.ops
   cublas    its GEMMs alone (torch.matmul): the floor a fused block is held to
   eager     the unfused PyTorch code
@@ -16,7 +29,8 @@ LLaMA-3-8B's dims x 16,384 tokens and LLaMA-3.2-1B's x 8192 (`--tokens`,
 `liger`, into <date>-<device>-llama-<commit>.json when it runs alone.
 `--sweep-shapes` runs the GPT-style block (never llama) at every point of
 tokens 2048, 8192, 16384 x d 1024, 2048, 4096 (`--tokens` and `--dims`
-narrow it), into <date>-<device>-shapes-<commit>.json.
+narrow it), into <date>-<device>-shapes-<commit>.json. `--only`, `--sweep-shapes`
+and every other kernel-level flag imply --kernels.
 
 Each case times its impls in turn, --rounds rounds, each round starting one
 impl further along; median_ms is the median of the rounds' medians (timings:
@@ -38,7 +52,7 @@ import torch
 import coda
 from coda import _kernels
 
-from . import blocks, llama, mlp, norm, results, table
+from . import blocks, llama, mlp, norm, results, table, train
 from .timing import Runner, timer
 
 SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run, "llama": llama.run}
@@ -57,6 +71,22 @@ def _sections(text: str) -> List[str]:
     return names
 
 
+def _models(text: str) -> List[str]:
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in train.MODELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(train.MODELS)} (comma-separated), got {text!r}")
+    return names
+
+
+def _impls(text: str) -> List[str]:
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in train.IMPLS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(train.IMPLS)} (comma-separated), got {text!r}")
+    return names
+
+
 def gpu_here() -> Tuple[bool, str]:
     """(True, "") where coda's kernels run on the current CUDA device, else (False, why not)."""
     if not torch.cuda.is_available():
@@ -68,32 +98,127 @@ def gpu_here() -> Tuple[bool, str]:
     return True, ""
 
 
+# the kernel-level flags (any one given implies --kernels) with their defaults, and the training comparison's
+KERNEL_DEFAULTS = {"only": ["block"], "tokens": None, "dims": None, "sweep_shapes": False, "dtype": "bfloat16",
+                   "warmup_ms": 25, "rep_ms": 100, "rounds": 5, "host_reps": 20}
+TRAIN_FLAGS = ("models", "impls", "steps", "warmup_steps", "batch", "seq", "max_seconds", "budget_seconds", "no_plot")
+TRAIN_MODELS = ("llama1b", "gpt2medium")
+TRAIN_GPU = {"steps": 20, "warmup_steps": 3, "batch": 4, "seq": 2048}
+TRAIN_CPU = {"steps": 2, "warmup_steps": 1, "batch": 2, "seq": 64}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coda.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", type=_sections, default=["block"], metavar="block|mlp|norm|llama",
+    p.add_argument("--out", help="write the stamped results file (and the training comparison's plot) into this folder")
+    t = p.add_argument_group("the training comparison (the default)")
+    t.add_argument("--models", type=_models, metavar="llama1b,gpt2medium",
+                   help=f"comma-separated, of {', '.join(train.MODELS)} (default: llama1b,gpt2medium; on the CPU "
+                        "their tiny configs)")
+    t.add_argument("--impls", type=_impls, metavar=",".join(train.IMPLS),
+                   help="comma-separated, timed in this order (default: all)")
+    t.add_argument("--steps", type=int, help="timed steps per impl (default: 20 on the GPU, 2 on the CPU)")
+    t.add_argument("--warmup-steps", type=int, help="untimed steps first, torch.compile's compilation among them "
+                                                    "(default: 3 on the GPU, 1 on the CPU)")
+    t.add_argument("--batch", type=int, help="sequences per step (default: 4 on the GPU, 2 on the CPU)")
+    t.add_argument("--seq", type=int, help="tokens per sequence (default: 2048 on the GPU, 64 on the CPU)")
+    t.add_argument("--max-seconds", type=float, help="per impl: no timed step starts after this many seconds "
+                                                     "from its model's build (default: no limit)")
+    t.add_argument("--budget-seconds", type=float, help="the whole run: no impl starts after this many seconds; "
+                                                        "those left are reported as skipped (default: no limit)")
+    t.add_argument("--no-plot", action="store_true", help="no .png beside the results file")
+    k = p.add_argument_group("the kernel-level benchmarks (--kernels; each flag below implies it)")
+    k.add_argument("--kernels", action="store_true", help="run the kernel-level benchmarks instead")
+    k.add_argument("--only", type=_sections, metavar="block|mlp|norm|llama",
                    help="the cases to run, comma-separated (default: block)")
-    p.add_argument("--tokens", type=_ints, help="comma-separated rows of every activation, one case each "
+    k.add_argument("--tokens", type=_ints, help="comma-separated rows of every activation, one case each "
                                                 "(default: 8192 on the GPU, 256 on the CPU; llama: 16384 at "
                                                 "d 4096, 8192 at d 2048)")
-    p.add_argument("--sweep-shapes", action="store_true",
+    k.add_argument("--sweep-shapes", action="store_true", default=None,
                    help=f"the block at tokens {','.join(map(str, SWEEP_TOKENS))} x d {','.join(map(str, SWEEP_DIMS))}"
                         " (on the GPU; --tokens, --dims narrow it; not llama)")
-    p.add_argument("--dims", type=_ints, help="comma-separated model widths d, ffn = 4d "
+    k.add_argument("--dims", type=_ints, help="comma-separated model widths d, ffn = 4d "
                                               "(default: 1024,2048,4096 on the GPU, 256 on the CPU; llama: "
                                               "4096 and 2048, each model's own ffn and heads)")
-    p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
-                   help="on the GPU (the CPU runs float32); coda's norm kernels are bf16 only")
-    p.add_argument("--warmup-ms", type=float, default=25, help="do_bench's warm-up per timing")
-    p.add_argument("--rep-ms", type=float, default=100, help="do_bench's timed window per timing")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of each case's impls in turn")
-    p.add_argument("--host-reps", type=int, default=20, help="steps the host time is the median of")
-    p.add_argument("--out", help="write <date>-<device>-<commit>.json into this folder")
+    k.add_argument("--dtype", choices=["bfloat16", "float16"],
+                   help="on the GPU (the CPU runs float32); coda's norm kernels are bf16 only (default: bfloat16)")
+    k.add_argument("--warmup-ms", type=float, help="do_bench's warm-up per timing (default: 25)")
+    k.add_argument("--rep-ms", type=float, help="do_bench's timed window per timing (default: 100)")
+    k.add_argument("--rounds", type=int, help="rounds of each case's impls in turn (default: 5)")
+    k.add_argument("--host-reps", type=int, help="steps the host time is the median of (default: 20)")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    kernel_flags = [f"--{k.replace('_', '-')}" for k in KERNEL_DEFAULTS if getattr(args, k) is not None]
+    train_flags = [f"--{k.replace('_', '-')}" for k in TRAIN_FLAGS if getattr(args, k) not in (None, False)]
+    if args.kernels or kernel_flags:
+        if train_flags:
+            p.error(f"{', '.join(train_flags)} belong to the training comparison, "
+                    f"{', '.join(kernel_flags or ['--kernels'])} to the kernel-level benchmarks: one or the other")
+        for k, v in KERNEL_DEFAULTS.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        return kernels(args)
+    return training(args)
+
+
+def training(args: argparse.Namespace) -> int:
+    """The training comparison (train.py): the GPU's models, or their tiny configs on the CPU."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print(f"coda.bench: the training comparison needs transformers ({e}; pip install 'coda-epilogues[bench]'); "
+              "--kernels runs the kernel-level benchmarks without it", file=sys.stderr)
+        return 1
+    gpu, why_not = gpu_here()
+    defaults = TRAIN_GPU if gpu else TRAIN_CPU
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    models = args.models or list(TRAIN_MODELS)
+    if gpu:
+        device, dtype = "cuda", torch.bfloat16
+        print(f"coda.bench on {torch.cuda.get_device_name()}: training {','.join(models)}, batch {args.batch} x "
+              f"{args.seq} tokens, bf16 weights, fused AdamW, {args.warmup_steps} warm-up + {args.steps} timed steps "
+              f"per impl", flush=True)
+    else:
+        device, dtype = "cpu", torch.float32
+        models = list(dict.fromkeys(train.TINY.get(m, m) for m in models))
+        print(f"coda.bench: {why_not}; training tiny configs on the CPU instead ({','.join(models)}, batch "
+              f"{args.batch} x {args.seq} tokens, float32, {args.warmup_steps} warm-up + {args.steps} timed steps "
+              f"per impl).", flush=True)
+    s = train.Settings(models=models, impls=args.impls or list(train.IMPLS), steps=args.steps,
+                       warmup_steps=args.warmup_steps, batch=args.batch, seq=args.seq, device=device, dtype=dtype,
+                       max_seconds=args.max_seconds or 0.0, budget_seconds=args.budget_seconds or 0.0)
+    if s.steps < 1 or s.warmup_steps < 0 or s.batch < 1 or s.seq < 2:
+        print("coda.bench: --steps, --batch must be at least 1, --seq 2, --warmup-steps 0", file=sys.stderr)
+        return 2
+    # both models: <date>-<device>-train-<commit>.json; a run of one (a call per model) names it
+    kind = "train" if args.models in (None, list(TRAIN_MODELS)) else "train-" + "-".join(models)
+    path = results.results_path(args.out, kind) if args.out else None
+
+    def save(out: train.Outcome) -> None:
+        if path:
+            results.write_to(path, train.payload(s, out))
+
+    out = train.run(s, after_impl=save)
+    train.print_table(out)
+    if path:
+        save(out)
+        print(f"wrote {path}")
+        if not args.no_plot:
+            from . import plot
+            png = plot.plot_file(path)
+            if png:
+                print(f"wrote {png}")
+    return 0
+
+
+def kernels(args: argparse.Namespace) -> int:
+    """The kernel-level benchmarks: the block, mlp, norm and llama sections, as before the training comparison."""
     gpu, why_not = gpu_here()
     if gpu:
         device, dtype = "cuda", getattr(torch, args.dtype)

@@ -1,0 +1,436 @@
+"""The main job: train a Hugging Face model with each implementation, same weights, same data.
+
+A LLaMA-3.2-1B-shaped LlamaForCausalLM (d 2048, ffn 8192, 16 layers, 32 q / 8 kv heads
+of 64, vocab 128,256, RoPE θ 500,000, tied embeddings) and a GPT-2-medium-shaped
+GPT2LMHeadModel (d 1024, 24 layers, 16 heads, vocab 50,257, no dropout), built from
+their configs with random weights (nothing is downloaded), bf16 weights, fused AdamW,
+batch 4 x 2048 tokens. Impls, each on a fresh model from the same seed:
+
+  hf            the model as Hugging Face builds it (attn_implementation="sdpa")
+  liger         Liger-Kernel's patch of that instance (apply_liger_kernel_to_llama: RMSNorm,
+                RoPE, SwiGLU, fused linear cross-entropy); none exists for GPT-2
+  compile       torch.compile(model)
+  coda          coda.hf.patch(model)
+  coda_compile  coda.hf.patch(model), then torch.compile
+
+A step is the forward with labels (the model's own loss), backward, optimizer.step()
+and zero_grad(set_to_none=True). The data are random tokens, the same batches for every
+impl, drawn from the first eighth of the vocabulary (every id stays in the softmax), so
+that the loss has somewhere to fall: from about ln(vocab) towards ln(vocab / 8).
+
+Per impl: the warm-up steps (torch.compile compiles there) are not timed; each timed
+step is timed by CUDA events around it (the host runs at most one step ahead, as a loop
+that logs its loss does), median_ms the median; tokens_per_s = batch·seq / median;
+peak_gib torch.cuda.max_memory_allocated over the timed steps (weights, gradients and
+optimizer states included), reset after the warm-up; the loss of every step, warm-up
+included. Without a GPU on which coda's kernels run, a tiny LLaMA and GPT-2 train on the
+CPU in float32 for a couple of steps, so that the command works everywhere.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .timing import why
+
+IMPLS = ("hf", "liger", "compile", "coda", "coda_compile")
+SEED = 0
+LR = 3e-4
+DATA_FRACTION = 8  # tokens are drawn from the first vocab // DATA_FRACTION ids
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str    # the case's model label
+    family: str  # "llama" | "gpt2"
+    config: Dict
+
+    def build_config(self, seq: int):
+        import transformers
+        kw = dict(self.config, use_cache=False)
+        if self.family == "llama":
+            theta = kw.pop("rope_theta")
+            if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:  # transformers 5
+                kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+            else:
+                kw["rope_theta"] = theta
+            return transformers.LlamaConfig(**kw)
+        kw["n_positions"] = max(kw["n_positions"], seq)
+        return transformers.GPT2Config(**kw)
+
+
+_LLAMA_IDS = dict(bos_token_id=128000, eos_token_id=128001)
+MODELS: Dict[str, ModelSpec] = {
+    # LLaMA-3.2-1B's config, without its llama3 RoPE scaling (default RoPE at θ 500,000)
+    "llama1b": ModelSpec("llama1b", "llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True, **_LLAMA_IDS)),
+    "gpt2medium": ModelSpec("gpt2medium", "gpt2", dict(
+        vocab_size=50257, n_positions=2048, n_embd=1024, n_layer=24, n_head=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)),
+    "llama_tiny": ModelSpec("llama_tiny", "llama", dict(
+        vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2)),
+    "gpt2_tiny": ModelSpec("gpt2_tiny", "gpt2", dict(
+        vocab_size=2048, n_positions=256, n_embd=128, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
+}
+TINY = {"llama1b": "llama_tiny", "gpt2medium": "gpt2_tiny"}  # what the CPU trains instead
+
+
+@dataclass
+class Settings:
+    models: Sequence[str]
+    impls: Sequence[str]
+    steps: int
+    warmup_steps: int
+    batch: int
+    seq: int
+    device: str
+    dtype: torch.dtype
+    max_seconds: float = 0.0     # per impl: no timed step starts past it (0: no limit)
+    budget_seconds: float = 0.0  # the whole run: no impl starts past it (0: no limit)
+    lr: float = LR
+    seed: int = SEED
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+
+def case_name(model: str, batch: int, seq: int) -> str:
+    return f"train_step_{model}_b{batch}_s{seq}"
+
+
+# ---- the impls: each takes the built model (its weights in their final dtype and device), returns the one to train
+
+class Skip(Exception):
+    """An impl that does not apply here (not installed, no patch for this model): reported, not failed."""
+
+
+def _compile(model):
+    torch._dynamo.reset()  # nothing left from an earlier impl's graphs
+    return torch.compile(model)
+
+
+def _coda_patch(model):
+    try:
+        from coda import hf as coda_hf
+    except ImportError as e:
+        raise Skip(f"coda.hf is not importable ({why(e)})") from None
+    patched = coda_hf.patch(model)
+    return model if patched is None else patched
+
+
+class _LigerGlobals:
+    """apply_liger_kernel_to_llama also rebinds modeling_llama's module globals (RMSNorm, MLP,
+    apply_rotary_pos_emb): put them back afterwards, so the impls that follow build plain models."""
+
+    def __init__(self, module):
+        self.module, self.saved = module, dict(vars(module))
+        self.forward = getattr(module, "LlamaForCausalLM").forward
+
+    def restore(self):
+        for name, value in self.saved.items():
+            if vars(self.module).get(name, value) is not value:
+                setattr(self.module, name, value)
+        self.module.LlamaForCausalLM.forward = self.forward
+
+
+_liger_restore: List[Callable[[], None]] = []
+
+
+def _liger(model):
+    if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
+        raise Skip("Liger-Kernel's Triton kernels need a CUDA GPU")
+    try:
+        from liger_kernel.transformers import monkey_patch
+    except Exception as e:  # not installed, or no triton
+        raise Skip(f"liger_kernel is not importable ({why(e)})") from None
+    model_type = model.config.model_type
+    apply = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", {}).get(model_type)
+    if apply is None:
+        raise Skip(f"Liger-Kernel has no patch for {model_type}")
+    if model_type == "llama":
+        from transformers.models.llama import modeling_llama
+        _liger_restore.append(_LigerGlobals(modeling_llama).restore)
+    apply(model=model)  # its defaults: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
+    return model
+
+
+def _liger_undo():
+    while _liger_restore:
+        _liger_restore.pop()()
+
+
+IMPL_FNS: Dict[str, Callable] = {
+    "hf": lambda m: m,
+    "liger": _liger,
+    "compile": _compile,
+    "coda": _coda_patch,
+    "coda_compile": lambda m: _compile(_coda_patch(m)),
+}
+
+
+# ---- building, data, one impl's run
+
+def build(spec: ModelSpec, s: Settings):
+    """A fresh model from the seed: the same initial weights for every impl."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(s.seed)
+    with torch.device(s.device):
+        model = AutoModelForCausalLM.from_config(spec.build_config(s.seq), attn_implementation="sdpa")
+    return model.to(s.dtype).train()
+
+
+def batches(vocab: int, s: Settings) -> List[torch.Tensor]:
+    """warm-up + timed steps of (batch, seq) token ids, from their own generator: the same for every impl."""
+    g = torch.Generator().manual_seed(s.seed + 1)
+    high = max(vocab // DATA_FRACTION, 2)
+    return [torch.randint(0, high, (s.batch, s.seq), generator=g).to(s.device)
+            for _ in range(s.warmup_steps + s.steps)]
+
+
+class Progress:
+    """tqdm where importable, else one line rewritten in place."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n = total, desc, 0
+        try:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit="step", leave=False, file=sys.stderr,
+                            mininterval=0.5, dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+        self.t0 = time.perf_counter()
+
+    def update(self, loss: Optional[float], phase: str) -> None:
+        self.n += 1
+        post = f"{phase}" + (f" loss {loss:.4f}" if loss is not None else "")
+        if self.bar is not None:
+            self.bar.set_postfix_str(post, refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"\r  {self.desc}: {self.n}/{self.total} steps, {time.perf_counter() - self.t0:.1f} s, {post}   ",
+                  end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            print(file=sys.stderr, flush=True)
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_impl(spec: ModelSpec, impl: str, data: List[torch.Tensor], s: Settings) -> Dict:
+    """One impl on one model: the row (timings, memory, losses). Raises Skip or the failure."""
+    t_start = time.perf_counter()
+    model = IMPL_FNS[impl](build(spec, s))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.gpu)
+    setup_s = time.perf_counter() - t_start
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    bar = Progress(len(data), f"{spec.name} {impl}")
+    losses: List[float] = []
+    try:
+        for ids in data[:s.warmup_steps]:  # compiles, creates the optimizer's states
+            losses.append(step(ids).item())
+            bar.update(losses[-1], "warm-up")
+        if s.gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        warmup_s = time.perf_counter() - t_start - setup_s
+        t_timed = time.perf_counter()
+        pending: List[torch.Tensor] = []  # losses not read yet: the host stays one step ahead at most
+        events = []
+        times: List[float] = []
+        for i, ids in enumerate(data[s.warmup_steps:]):
+            if s.gpu:
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
+                pending.append(step(ids))
+                ev[1].record()
+                events.append(ev)
+            else:
+                t0 = time.perf_counter()
+                pending.append(step(ids))
+                times.append((time.perf_counter() - t0) * 1e3)
+            while len(pending) > 1:
+                losses.append(pending.pop(0).item())
+                bar.update(losses[-1], "timed")
+            if s.max_seconds and time.perf_counter() - t_start > s.max_seconds and i + 1 < s.steps:
+                print(f"\n  {spec.name} {impl}: past --max-seconds {s.max_seconds:g} after {i + 1} timed steps",
+                      file=sys.stderr, flush=True)
+                break
+        while pending:
+            losses.append(pending.pop(0).item())
+            bar.update(losses[-1], "timed")
+        if s.gpu:
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) for a, b in events]
+        timed_s = time.perf_counter() - t_timed
+    finally:
+        bar.close()
+    median = statistics.median(times)
+    q = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+    row = {
+        "case": case_name(spec.name, s.batch, s.seq), "impl": impl, "model": spec.name,
+        "median_ms": median, "p20_ms": q[1], "p80_ms": q[7], "step_ms": [round(t, 3) for t in times],
+        "tokens_per_s": s.batch * s.seq / (median / 1e3),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if s.gpu else None,
+        "last_loss": losses[-1], "loss": losses,
+        "steps_timed": len(times), "warmup_steps": s.warmup_steps,
+        "params": sum(p.numel() for p in model.parameters()),
+        "setup_s": round(setup_s, 2), "warmup_s": round(warmup_s, 2), "timed_s": round(timed_s, 2),
+    }
+    if not all(math.isfinite(v) for v in losses):
+        row["note"] = "non-finite loss"
+    return row
+
+
+# ---- the run
+
+@dataclass
+class Outcome:
+    results: List[Dict] = field(default_factory=list)
+    skipped: List[Dict] = field(default_factory=list)
+
+
+def run(s: Settings, after_impl: Optional[Callable[[Outcome], None]] = None) -> Outcome:
+    """Every model x impl of s in turn; after_impl(outcome) after each (a results file rewritten
+    there keeps what was timed when the run is cut short)."""
+    import transformers
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # config notes, once per build of every impl
+    try:
+        return _run(s, after_impl)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _run(s: Settings, after_impl: Optional[Callable[[Outcome], None]]) -> Outcome:
+    out = Outcome()
+    t_run = time.perf_counter()
+    for name in s.models:
+        spec = MODELS[name]
+        case = case_name(spec.name, s.batch, s.seq)
+        data = batches(spec.config["vocab_size"], s)
+        for impl in s.impls:
+            t0 = time.perf_counter()
+            if s.budget_seconds and t0 - t_run > s.budget_seconds:
+                reason = f"the run's --budget-seconds {s.budget_seconds:g} was spent"
+            else:
+                reason = None
+                try:
+                    row = run_impl(spec, impl, data, s)
+                except Skip as e:
+                    reason = str(e)
+                except Exception as e:  # an OOM, a failing patch: reported, and the run goes on
+                    reason = why(e)
+                finally:
+                    _liger_undo()
+                    if impl.endswith("compile"):
+                        torch._dynamo.reset()
+                    _free()
+            took = time.perf_counter() - t0
+            if reason is None:
+                row["impl_s"] = round(took, 2)
+                out.results.append(row)
+                _speedups(out, case)
+                peak = f"{row['peak_gib']:.2f} GiB peak, " if row["peak_gib"] is not None else ""
+                print(f"  {spec.name:<12} {impl:<13} {row['median_ms']:9.2f} ms/step  {row['tokens_per_s']:10.0f} tok/s  "
+                      f"{peak}loss {row['last_loss']:.4f}  ({took:.1f} s: setup {row['setup_s']:.1f}, warm-up "
+                      f"{row['warmup_s']:.1f}, {row['steps_timed']} steps {row['timed_s']:.1f})", flush=True)
+            else:
+                out.skipped.append({"case": case, "impl": impl, "model": spec.name, "reason": reason})
+                print(f"  {spec.name:<12} {impl:<13} skipped: {reason} ({took:.1f} s)", flush=True)
+            if after_impl is not None:
+                after_impl(out)
+        del data
+    print(f"coda.bench: {len(out.results)} impls trained, {len(out.skipped)} skipped, in "
+          f"{time.perf_counter() - t_run:.1f} s", flush=True)
+    return out
+
+
+def _speedups(out: Outcome, case: str) -> None:
+    hf = next((r for r in out.results if r["case"] == case and r["impl"] == "hf"), None)
+    if hf is not None:
+        for r in out.results:
+            if r["case"] == case:
+                r["speedup_vs_hf"] = hf["median_ms"] / r["median_ms"]
+
+
+def print_table(out: Outcome) -> None:
+    """model, impl, step ms, tokens/s, x vs hf, peak GiB, last loss; skipped impls with their reason."""
+    rows = {(r["model"], r["impl"]): r for r in out.results}
+    skipped = {(r["model"], r["impl"]): r["reason"] for r in out.skipped}
+    keys = list(dict.fromkeys([(r["model"], r["impl"]) for r in out.results + out.skipped]))
+    if not keys:
+        print("\nnothing was run")
+        return
+    order = {m: i for i, m in enumerate(dict.fromkeys(k[0] for k in keys))}
+    keys.sort(key=lambda k: (order[k[0]], IMPLS.index(k[1]) if k[1] in IMPLS else len(IMPLS)))
+    width = max(len(k[0]) for k in keys) + 2
+    print(f"\n{'model':<{width}}{'impl':<14}{'step ms':>10}{'tokens/s':>12}{'x vs hf':>9}{'peak GiB':>10}"
+          f"{'last loss':>11}")
+    for key in keys:
+        model, impl = key
+        if key in rows:
+            r = rows[key]
+            x = f"{r['speedup_vs_hf']:.3f}" if "speedup_vs_hf" in r else "-"
+            peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+            print(f"{model:<{width}}{impl:<14}{r['median_ms']:>10.2f}{r['tokens_per_s']:>12.0f}{x:>9}{peak:>10}"
+                  f"{r['last_loss']:>11.4f}")
+        else:
+            print(f"{model:<{width}}{impl:<14}  skipped: {skipped[key]}")
+
+
+def payload(s: Settings, out: Outcome) -> Dict:
+    """What the results file holds besides its stamp."""
+    timer = (f"CUDA events around each step, median over {s.steps} timed steps after {s.warmup_steps} warm-up steps"
+             if s.gpu else f"perf_counter per step, median over {s.steps} steps after {s.warmup_steps} warm-up steps")
+    return {
+        "job": "train",
+        "timed_on": s.device, "dtype": str(s.dtype).replace("torch.", ""),
+        "settings": {"models": list(s.models), "impls": list(s.impls), "steps": s.steps,
+                     "warmup_steps": s.warmup_steps, "batch": s.batch, "seq": s.seq, "lr": s.lr, "seed": s.seed,
+                     "optimizer": f"torch.optim.AdamW(lr={s.lr:g}, fused={s.gpu})",
+                     "data": f"uniform random ids below vocab // {DATA_FRACTION}, the same for every impl",
+                     "max_seconds": s.max_seconds, "budget_seconds": s.budget_seconds},
+        "models": {m: {"family": MODELS[m].family, **MODELS[m].config} for m in s.models},
+        "timer": timer,
+        "results": [{k: v for k, v in r.items() if k != "loss"} for r in out.results],
+        "skipped": out.skipped,
+        "loss_curves": curves(out),
+    }
+
+
+def curves(out: Outcome) -> Dict[str, Dict[str, List[float]]]:
+    curves: Dict[str, Dict[str, List[float]]] = {}
+    for r in out.results:
+        curves.setdefault(r["case"], {})[r["impl"]] = r["loss"]
+    return curves
