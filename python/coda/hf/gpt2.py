@@ -1,0 +1,223 @@
+"""GPT2LMHeadModel as a chain of coda ops.
+
+Each block runs as
+
+    qkv      = layernorm_linear(h, ln_1, c_attn)             ln_1 folded into c_attn's GEMM
+    h, stats = linear_residual(SDPA(qkv), attn.c_proj, h)    c_proj + residual, and ln_2's statistics
+    h        = norm_mlp(h, ln_2, mlp.c_fc, gelu, mlp.c_proj, residual=h, stats=stats)
+
+and the final ln_f (in torch) feeds the tied LM head's cross-entropy
+(coda.nn.causal_lm_loss) without logits. norm_mlp returns no statistics, so each
+block's ln_1 reduces its own (one light pass over h).
+
+Conv1D stores its weight (in, out); coda's ops, like nn.Linear, read (out, in). The
+patch transposes each of the four Conv1D weights once into a LinearConv1D, whose
+state_dict() gives them back in Conv1D's (in, out) layout under the same keys and
+whose load_state_dict takes that layout: a GPT-2 checkpoint loads as it is, and no
+weight is kept in both layouts. Biases, norms and embeddings are the model's own tensors.
+
+Dropout: the embedding dropout and the attention-probability dropout run (the latter
+inside SDPA); the residual dropout (resid_pdrop) would sit between a GEMM and the
+residual add that its epilogue does, so a training forward with resid_pdrop > 0
+raises: set config.resid_pdrop = 0 before building the model, or the blocks'
+attn.resid_dropout.p and mlp.dropout.p to 0. In eval mode dropout never runs.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import _activations, ops
+from ..nn import causal_lm_loss
+from ._common import keep_last, keep_original, keeps_all, original, refuse_unsupported, restore_parameters, return_as
+from .attention import attend, causal_mask
+
+_CONV1D = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+
+
+class LinearConv1D(nn.Module):
+    """GPT-2's Conv1D (y = x·W + b) with W stored (out, in), as nn.Linear stores it.
+
+    Parameters: ``weight`` (nf, nx), ``bias`` (nf,). state_dict() gives ``weight`` in
+    Conv1D's (nx, nf) layout (a copy; a transposed view with keep_vars=True), and
+    load_state_dict takes that layout.
+    """
+
+    def __init__(self, nx: int, nf: int, device=None, dtype=None):
+        super().__init__()
+        self.nx, self.nf = nx, nf
+        self.weight = nn.Parameter(torch.empty(nf, nx, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        self.register_state_dict_post_hook(_save_in_out)
+        self.register_load_state_dict_pre_hook(_load_in_out)
+
+    @classmethod
+    @torch.no_grad()
+    def from_conv1d(cls, conv) -> "LinearConv1D":
+        """Its weight transposed (one copy), its bias the same Parameter."""
+        new = cls(conv.nx, conv.nf, device="meta", dtype=conv.weight.dtype)
+        new.weight = nn.Parameter(conv.weight.t().contiguous(), conv.weight.requires_grad)
+        new.bias = conv.bias
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"nf={self.nf}, nx={self.nx}"
+
+
+def _save_in_out(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        w = state_dict[key]
+        state_dict[key] = w.t() if isinstance(w, nn.Parameter) else w.t().contiguous()
+
+
+def _load_in_out(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+    key = prefix + "weight"
+    if key not in state_dict:
+        return
+    w = state_dict[key]
+    if tuple(w.shape) != (module.nx, module.nf):
+        error_msgs.append(f"size mismatch for {key}: expected Conv1D's (in, out) = ({module.nx}, {module.nf}), "
+                          f"got {tuple(w.shape)}")
+        state_dict.pop(key)
+        return
+    state_dict[key] = w.t().contiguous()
+
+
+def check(model) -> None:
+    """Raise, naming the model and what it has, where a patch would not compute what it does."""
+    name, config = type(model).__name__, model.config
+    if getattr(config, "add_cross_attention", False):
+        raise NotImplementedError(f"coda.hf.patch: {name} has cross-attention (add_cross_attention=True): "
+                                  f"not supported")
+    try:
+        _activations.code(config.activation_function)
+    except ValueError:
+        raise NotImplementedError(f"coda.hf.patch: {name} has activation_function="
+                                  f"{config.activation_function!r}, which coda's MLP does not have") from None
+    for i, block in enumerate(model.transformer.h):
+        for parent, child in _CONV1D:
+            conv = getattr(getattr(block, parent), child)
+            if type(conv).__name__ != "Conv1D":
+                raise TypeError(f"coda.hf.patch: {name}.transformer.h[{i}].{parent}.{child} is a "
+                                f"{type(conv).__name__}, expected transformers' Conv1D")
+
+
+def patch(model):
+    """Patch a GPT2LMHeadModel in place (see the module's docstring); returns it."""
+    check(model)
+    for block in model.transformer.h:
+        for parent, child in _CONV1D:
+            owner = getattr(block, parent)
+            conv = getattr(owner, child)
+            new = LinearConv1D.from_conv1d(conv)
+            keep_original(new, conv)
+            setattr(owner, child, new)
+    model.transformer.forward = types.MethodType(_model_forward, model.transformer)
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    return model
+
+
+def unpatch(model):
+    """The Conv1D modules back, with the patched model's parameter values."""
+    for block in model.transformer.h:
+        for parent, child in _CONV1D:
+            owner = getattr(block, parent)
+            new = getattr(owner, child)
+            if isinstance(new, LinearConv1D):
+                conv = original(new)
+                restore_parameters(conv, new.state_dict(keep_vars=True))
+                setattr(owner, child, conv)
+    for m in (model.transformer, model):
+        m.__dict__.pop("forward", None)
+    return model
+
+
+# ---- the patched forwards
+
+def _block(block, h, mask, activation: str, where: str):
+    attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
+    training = block.training
+    if training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0):
+        raise NotImplementedError(
+            f"{where}: residual dropout (resid_pdrop = {max(attn.resid_dropout.p, mlp.dropout.p)}) would sit between "
+            f"a GEMM and the residual add its epilogue does: train with resid_pdrop = 0 (the blocks' "
+            f"attn.resid_dropout.p and mlp.dropout.p), or call model.eval() for inference")
+    qkv = ops.layernorm_linear(h, ln_1.weight, ln_1.bias, attn.c_attn.weight, attn.c_attn.bias, ln_1.eps)
+    q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.split(attn.split_size, -1))
+    a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0)
+    h, stats = ops.linear_residual(a, attn.c_proj.weight, attn.c_proj.bias, h, "LayerNorm", ln_2.eps)
+    return ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
+                        mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats)
+
+
+def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where: str):
+    """Embeddings and the blocks: the last block's output, before ln_f."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(f"{where}: pass exactly one of input_ids and inputs_embeds")
+    h = tr.wte(input_ids) if inputs_embeds is None else inputs_embeds
+    batch, seq = h.shape[:2]
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=h.device)[None]
+    h = h + tr.wpe(position_ids)
+    if token_type_ids is not None:
+        h = h + tr.wte(token_type_ids.view(-1, seq))
+    h = tr.drop(h)
+    if attention_mask is not None and attention_mask.dim() < 4:
+        attention_mask = attention_mask.view(batch, -1)
+    mask = causal_mask(attention_mask, batch, seq, h.device, None, where)
+    activation = tr.config.activation_function
+    remat = getattr(tr, "gradient_checkpointing", False) and tr.training and torch.is_grad_enabled()
+    for block in tr.h:
+        if remat:
+            h = checkpoint(_block, block, h, mask, activation, where, use_reentrant=False)
+        else:
+            h = _block(block, h, mask, activation, where)
+    return h
+
+
+def _refuse_cross_attention(where, encoder_hidden_states) -> None:
+    if encoder_hidden_states is not None:
+        raise NotImplementedError(f"{where}: encoder_hidden_states (cross-attention) is not supported")
+
+
+def _model_forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                   inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, use_cache=None,
+                   return_dict=None, **kwargs):
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+    where = f"coda.hf patched {type(self).__name__}"
+    refuse_unsupported(where, cache, use_cache, kwargs)
+    _refuse_cross_attention(where, encoder_hidden_states)
+    h = _run(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where)
+    return return_as(BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.ln_f(h)), return_dict,
+                     self.config)
+
+
+def _causal_lm_forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                       inputs_embeds=None, encoder_hidden_states=None, encoder_attention_mask=None, labels=None,
+                       use_cache=None, logits_to_keep=0, return_dict=None, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+    where = f"coda.hf patched {type(self).__name__}"
+    refuse_unsupported(where, cache, use_cache, kwargs)
+    _refuse_cross_attention(where, encoder_hidden_states)
+    tr = self.transformer
+    h = tr.ln_f(_run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where))
+    if labels is None:
+        logits = self.lm_head(keep_last(h, logits_to_keep))
+        return return_as(CausalLMOutputWithCrossAttentions(logits=logits), return_dict, self.config)
+    if not keeps_all(logits_to_keep):
+        raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
+                                  f"position)")
+    loss = causal_lm_loss(h, self.lm_head.weight, labels, bias=self.lm_head.bias,
+                          ignore_index=kwargs.get("ignore_index", -100),
+                          num_items_in_batch=kwargs.get("num_items_in_batch"))
+    return return_as(CausalLMOutputWithCrossAttentions(loss=loss), return_dict, self.config)

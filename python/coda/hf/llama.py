@@ -1,0 +1,276 @@
+"""LLaMA-family causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) as
+chains of coda ops.
+
+Each decoder layer becomes a DecoderLayer:
+
+    q, k, v  = RMSNormQKVRoPE(h, positions, stats)    input_layernorm, q/k/v (+ bias), RoPE: one GEMM
+    h, stats = linear_residual(SDPA(q, k, v), o_proj, h)   o_proj + residual, and h's RMSNorm statistics
+    h, stats = SwiGLUMLP(h, residual=h, stats=stats, return_stats=True)
+                                                        post_attention_layernorm, gate/up, SwiGLU, down
+                                                        + residual, and the next norm's statistics
+
+so every GEMM that writes the residual stream also reduces the statistics of the norm
+after it, and that norm's GEMM takes them (`stats=`) instead of a pass over h: within
+a layer and across layers, where the next layer's RMSNormQKVRoPE takes the MLP's. The
+last layer's go to the final norm, folded into the LM head's cross-entropy
+(coda.nn.causal_lm_loss). Backward: each op's backward treats the statistics as
+functions of h, so gradients are those of the unfused model.
+
+Parameters: the norms', o_proj's and down_proj's are the model's own tensors (the same
+Parameter objects); q/k/v become one pair-permuted [q; k; v] weight and gate/up one
+interleaved weight, made once at patch time, after which the original projections
+keep no copy. state_dict() has Hugging Face's keys and layouts.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Dict, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import ops
+from ..nn import RMSNormQKVRoPE, SwiGLUMLP, causal_lm_loss
+from ._common import (keep_last, keep_original, keeps_all, original, refuse_unsupported, restore_parameters,
+                      return_as)
+from .attention import attend, causal_mask
+
+# coda's key prefix inside a DecoderLayer -> Hugging Face's
+_RENAMES = (("self_attn.qkv.norm.", "input_layernorm."), ("self_attn.qkv.q_proj.", "self_attn.q_proj."),
+            ("self_attn.qkv.k_proj.", "self_attn.k_proj."), ("self_attn.qkv.v_proj.", "self_attn.v_proj."),
+            ("mlp.norm.", "post_attention_layernorm."))
+
+
+class SelfAttention(nn.Module):
+    """input_layernorm -> q, k, v -> RoPE (``qkv``, one GEMM), causal SDPA, and
+    ``o_proj`` + residual (linear_residual), which also returns the next norm's row
+    statistics. forward(h, positions, stats, mask, next_eps) -> (h + o_proj(attn), stats)."""
+
+    def __init__(self, qkv: RMSNormQKVRoPE, o_proj: nn.Linear, scaling: float, dropout: float,
+                 sliding_window: Optional[int]):
+        super().__init__()
+        self.qkv, self.o_proj = qkv, o_proj
+        self.scaling, self.dropout, self.sliding_window = scaling, dropout, sliding_window
+
+    def forward(self, h, positions, stats, mask, next_eps):
+        q, k, v = self.qkv(h, positions, stats)
+        a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0)
+        return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
+
+    def extra_repr(self) -> str:
+        return f"scaling={self.scaling:.6g}, dropout={self.dropout}, sliding_window={self.sliding_window}"
+
+
+class DecoderLayer(nn.Module):
+    """A LLaMA decoder layer as coda ops: ``self_attn`` (SelfAttention) and ``mlp``
+    (coda.nn.SwiGLUMLP with the post-attention RMSNorm in front).
+
+    forward(h, positions, stats=None, mask=None) -> (h, stats): stats in and out are
+    the float32 (..., 2) RMSNorm row statistics of the residual stream, in from the
+    layer before (None: computed here), out for the layer after. mask: None (causal)
+    or coda.hf.attention.causal_mask's.
+
+    state_dict() has the keys and layouts of the Hugging Face layer it replaced
+    (input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+    mlp.{gate,up,down}_proj), in its order; load_state_dict takes them.
+    """
+
+    def __init__(self, self_attn: SelfAttention, mlp: SwiGLUMLP, hf_keys: Sequence[str]):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.hf_keys = tuple(hf_keys)
+        self.register_state_dict_post_hook(_save_hf_keys)
+        self.register_load_state_dict_pre_hook(_load_hf_keys)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, stats: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None):
+        h, stats = self.self_attn(h, positions, stats, mask, self.mlp.norm.eps)
+        return self.mlp(h, residual=h, stats=stats, return_stats=True)
+
+
+def _rename(local: str, pairs) -> str:
+    for old, new in pairs:
+        if local.startswith(old):
+            return new + local[len(old):]
+    return local
+
+
+def _save_hf_keys(module, state_dict, prefix, local_metadata) -> None:
+    mine = [(k, state_dict.pop(k)) for k in list(state_dict) if k.startswith(prefix)]
+    named = {_rename(k[len(prefix):], _RENAMES): v for k, v in mine}
+    order = {k: i for i, k in enumerate(module.hf_keys)}
+    for local in sorted(named, key=lambda k: order.get(k, len(order))):  # HF's order; anything new after it
+        state_dict[prefix + local] = named[local]
+
+
+def _load_hf_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                  error_msgs) -> None:
+    back = tuple((new, old) for old, new in _RENAMES)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        local = _rename(key[len(prefix):], back)
+        if local != key[len(prefix):]:
+            state_dict[prefix + local] = state_dict.pop(key)
+
+
+# ---- checks, before anything is changed
+
+def _rope(model) -> tuple:
+    """(inv_freq, theta) of the model's rotary embedding, where coda's RoPE computes the same."""
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope") or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise NotImplementedError(f"coda.hf.patch: {type(model).__name__} uses RoPE type {rope_type!r}, whose "
+                                  f"frequencies change with the sequence length or whose cos/sin are scaled; coda's "
+                                  f"RoPE takes fixed frequencies (default, linear, llama3)")
+    config = model.config
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return rotary.inv_freq.detach().to("cpu", torch.float64), float(theta)
+
+
+def check(model) -> None:
+    """Raise, naming the model and what it has, where a patch would not compute what it does."""
+    name = type(model).__name__
+    config, base = model.config, model.model
+    for i, layer in enumerate(base.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        where = f"coda.hf.patch: {name}.model.layers[{i}]"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            raise NotImplementedError(f"{where} normalizes q and k per head (q_norm, k_norm) between the projection "
+                                      f"and RoPE, which coda's QKV GEMM applies in its epilogue: not supported")
+        biases = [p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        if any(biases) and not all(biases):
+            raise NotImplementedError(f"{where}: q/k/v biases must be all present or all absent, got {biases}")
+        if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            raise NotImplementedError(f"{where}: biased MLP projections (mlp_bias=True) are not supported")
+        if attn.head_dim % 2:
+            raise NotImplementedError(f"{where}: head_dim {attn.head_dim} is odd; RoPE rotates pairs")
+        eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
+               base.norm.variance_epsilon}
+        if len(eps) != 1:
+            raise NotImplementedError(f"{where}: its norms have different eps {sorted(eps)}; the statistics one GEMM "
+                                      f"hands to the next norm are computed with that norm's eps")
+    try:
+        ops.glu._gate_code(config.hidden_act, "hf.patch")
+    except ValueError:
+        raise NotImplementedError(f"coda.hf.patch: {name} has hidden_act={config.hidden_act!r}; coda's gated MLP "
+                                  f"takes silu (SwiGLU) or gelu / gelu_tanh (GeGLU)") from None
+    _rope(model)
+
+
+# ---- the patch
+
+@torch.no_grad()
+def _decoder_layer(layer, config, inv_freq: torch.Tensor, theta: float) -> DecoderLayer:
+    """The DecoderLayer computing what `layer` (a HF decoder layer) computes, on its tensors."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    w = q.weight
+    heads, kv_heads = q.weight.shape[0] // attn.head_dim, k.weight.shape[0] // attn.head_dim
+    # built on the meta device: no weights drawn (the global RNG is left as it was), none allocated twice
+    qkv = RMSNormQKVRoPE(w.shape[1], heads, kv_heads, attn.head_dim, theta, layer.input_layernorm.variance_epsilon,
+                         bias=q.bias is not None, inv_freq=inv_freq, device="meta", dtype=w.dtype)
+    qkv.norm.weight = layer.input_layernorm.weight
+    qkv.qkv_weight = nn.Parameter(qkv.permute(torch.cat([q.weight, k.weight, v.weight])), w.requires_grad)
+    if q.bias is not None:
+        qkv.qkv_bias = nn.Parameter(qkv.permute(torch.cat([q.bias, k.bias, v.bias])), q.bias.requires_grad)
+    freq = ops.rope_frequencies(attn.head_dim, heads, kv_heads, theta, inv_freq=inv_freq)
+    qkv.freq_bits = freq.view(torch.int32).to(w.device)
+    window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+    self_attn = SelfAttention(qkv, attn.o_proj, float(attn.scaling), float(getattr(attn, "attention_dropout", 0.0)),
+                              window)
+
+    g = mlp.gate_proj.weight
+    new_mlp = SwiGLUMLP(g.shape[1], g.shape[0], config.hidden_act, normalization="RMSNorm",
+                        eps=layer.post_attention_layernorm.variance_epsilon, device="meta", dtype=g.dtype)
+    new_mlp.norm.weight = layer.post_attention_layernorm.weight
+    new_mlp.gate_up_weight = nn.Parameter(ops.interleave_gate_up(g, mlp.up_proj.weight), g.requires_grad)
+    new_mlp.down_proj = mlp.down_proj
+    new = DecoderLayer(self_attn, new_mlp, layer.state_dict(keep_vars=True).keys())
+    new.train(layer.training)
+    return new
+
+
+def patch(model):
+    """Patch a LLaMA-family causal LM in place (see the module's docstring); returns it."""
+    check(model)
+    base = model.model
+    inv_freq, theta = _rope(model)
+    for i, layer in enumerate(base.layers):
+        new = _decoder_layer(layer, model.config, inv_freq, theta)
+        keep_original(new, layer, shared=(layer.self_attn.o_proj, layer.mlp.down_proj))
+        base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
+    base.forward = types.MethodType(_model_forward, base)
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    return model
+
+
+def unpatch(model):
+    """The Hugging Face layers back, with the patched model's parameter values."""
+    base = model.model
+    for i, layer in enumerate(base.layers):
+        if isinstance(layer, DecoderLayer):
+            old = original(layer)
+            restore_parameters(old, layer.state_dict(keep_vars=True))
+            old.train(layer.training)
+            base.layers[i] = old
+    for m in (base, model):
+        m.__dict__.pop("forward", None)
+    return model
+
+
+# ---- the patched forwards
+
+def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, where: str):
+    """Embeddings and the decoder layers: (h, the RMSNorm statistics of h)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError(f"{where}: pass exactly one of input_ids and inputs_embeds")
+    h = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    batch, seq = h.shape[:2]
+    positions = position_ids if position_ids is not None else torch.arange(seq, device=h.device)[None]
+    masks: Dict[Optional[int], Optional[torch.Tensor]] = {}
+    for layer in base.layers:
+        window = layer.self_attn.sliding_window
+        if window not in masks:
+            masks[window] = causal_mask(attention_mask, batch, seq, h.device, window, where)
+    remat = getattr(base, "gradient_checkpointing", False) and base.training and torch.is_grad_enabled()
+    stats = None
+    for layer in base.layers:
+        mask = masks[layer.self_attn.sliding_window]
+        if remat:
+            h, stats = checkpoint(layer, h, positions, stats, mask, use_reentrant=False)
+        else:
+            h, stats = layer(h, positions, stats, mask)
+    return h, stats
+
+
+def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                   use_cache=None, return_dict=None, **kwargs):
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    where = f"coda.hf patched {type(self).__name__}"
+    refuse_unsupported(where, cache, use_cache, kwargs)
+    h, _ = _run(self, input_ids, attention_mask, position_ids, inputs_embeds, where)
+    return return_as(BaseModelOutputWithPast(last_hidden_state=self.norm(h)), return_dict, self.config)
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                       labels=None, use_cache=None, logits_to_keep=0, return_dict=None, **kwargs):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    where = f"coda.hf patched {type(self).__name__}"
+    refuse_unsupported(where, cache, use_cache, kwargs)
+    h, stats = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, where)
+    norm = self.model.norm
+    if labels is None:
+        logits = self.lm_head(norm(keep_last(h, logits_to_keep)))
+        return return_as(CausalLMOutputWithPast(logits=logits), return_dict, self.config)
+    if not keeps_all(logits_to_keep):
+        raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
+                                  f"position)")
+    loss = causal_lm_loss(h, self.lm_head.weight, labels, norm=(norm.weight, norm.variance_epsilon),
+                          bias=self.lm_head.bias, ignore_index=kwargs.get("ignore_index", -100),
+                          num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats)
+    return return_as(CausalLMOutputWithPast(loss=loss), return_dict, self.config)
+

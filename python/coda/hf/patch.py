@@ -1,0 +1,87 @@
+"""coda.hf.patch / unpatch: find a Hugging Face model's family, hand it to that family's patch."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from ._common import ATTR
+
+# transformers' class name -> the coda.hf module that patches it
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "GPT2LMHeadModel": "gpt2",
+}
+# known, and why not
+REFUSED = {
+    "Qwen3ForCausalLM": "its attention normalizes q and k per head (q_norm, k_norm) between the projection and RoPE, "
+                        "which coda's QKV GEMM applies in its epilogue",
+}
+
+
+def _family(model) -> str:
+    for cls in type(model).__mro__:
+        if not cls.__module__.startswith("transformers."):
+            continue  # a user's subclass: its transformers base decides
+        if cls.__name__ in REFUSED:
+            raise NotImplementedError(f"coda.hf.patch: {type(model).__name__} is not supported: "
+                                      f"{REFUSED[cls.__name__]}")
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
+    raise TypeError(f"coda.hf.patch: no patch for {type(model).__name__}; supported: {', '.join(FAMILIES)} "
+                    f"(and their subclasses)")
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """Run a Hugging Face causal LM's blocks as coda's fused ops, in place; returns the model.
+
+    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (coda.hf.llama)
+    and GPT2LMHeadModel (coda.hf.gpt2); any other class raises TypeError naming it, a
+    supported class with a configuration coda cannot compute (Qwen3's q/k norms,
+    dynamic RoPE, biased MLPs, ...) NotImplementedError saying what. Patching a
+    patched model does nothing.
+
+    After the patch the model holds the same weights (the norms, biases, embeddings and
+    unfused projections as the same tensors; fused projections as one copy each, the
+    originals dropped), state_dict() has the same keys, shapes and layouts (so
+    save_pretrained writes a checkpoint the unpatched class loads), and forward takes
+    the same arguments: with labels it returns the loss without computing logits
+    (``logits=None``), without labels the logits. Patch before creating the
+    optimizer: parameters whose layout changes (fused q/k/v, gate/up; GPT-2's
+    transposed Conv1D weights) are new tensors.
+
+    Not supported by a patched forward (NotImplementedError, pointing to unpatch): a
+    KV cache (use_cache=True, generate() with its default), 4-D attention masks,
+    output_attentions / output_hidden_states. 2-D padding masks are supported; each
+    padded position attends to itself only, and its output is meaningless, as its
+    label should be ignore_index. Attention is torch's scaled_dot_product_attention,
+    whatever attn_implementation the model was built with. Gradient checkpointing
+    (model.gradient_checkpointing_enable()) recomputes each layer (non-reentrant).
+    """
+    if getattr(model, ATTR, None) is not None:
+        return model
+    family = _family(model)
+    importlib.import_module(f"{__package__}.{family}").patch(model)
+    object.__setattr__(model, ATTR, family)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo patch(model) in place, returning the model: the original modules and
+    forward, holding the patched model's current (e.g. trained) parameter values in
+    Hugging Face's layout (the norms' and other shared parameters as the same
+    tensors). A model that is not patched is returned as it is."""
+    family = getattr(model, ATTR, None)
+    if family is None:
+        return model
+    importlib.import_module(f"{__package__}.{family}").unpatch(model)
+    object.__delattr__(model, ATTR)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether patch(model) has run (and unpatch has not)."""
+    return getattr(model, ATTR, None) is not None

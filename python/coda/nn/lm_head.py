@@ -1,0 +1,75 @@
+"""The causal-LM loss of a model's last hidden states, without its logits."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops
+
+Norm = Union[None, nn.Module, Tuple[Tensor, Optional[float]]]
+
+
+def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm = None,
+                   bias: Optional[Tensor] = None, ignore_index: int = -100, num_items_in_batch=None,
+                   softcap: Optional[float] = None, stats: Optional[Tensor] = None) -> Tensor:
+    """Next-token cross-entropy of Norm(hidden)·weightᵀ (+ bias) against labels, as
+    Hugging Face's causal LMs compute it, through coda.ops.linear_cross_entropy: the
+    (tokens, vocab) logits are never materialized.
+
+    hidden: (B, S, D) (or (S, D)), the last decoder layer's output, before the final
+    norm when `norm` is given; weight: (V, D), the LM head's (tied: the embedding's);
+    labels: (B, S) int64, the token ids themselves (``labels = input_ids`` as in HF):
+    position t is scored against labels[t + 1], the last position of each row against
+    nothing (the labels are shifted left and padded with ignore_index on the right;
+    hidden is neither shifted nor copied). Tokens labelled ignore_index do not count.
+
+    norm: None (hidden is already normalized); an ``nn.RMSNorm`` or a pair
+    ``(weight, eps)`` meaning RMSNorm (LLaMA's final norm), applied inside the op,
+    where ``stats`` (float32 (B, S, 2) row statistics of hidden, as
+    coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) spares
+    its reduction; or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch
+    first. softcap: tanh soft-capping of the logits (Gemma 2), or None.
+
+    Returns the mean over the counted tokens; with ``num_items_in_batch`` (an int or
+    a tensor: the counted tokens of the whole accumulated batch, as HF's Trainer
+    passes it) the sum divided by it instead, so that the gradients of a batch
+    accumulated over several micro-batches equal those of the batch in one step.
+    float32 for any dtype of hidden.
+    """
+    if not isinstance(labels, Tensor) or labels.shape != hidden.shape[:-1]:
+        got = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
+        raise ValueError(f"coda.nn.causal_lm_loss: labels must have shape {tuple(hidden.shape[:-1])} "
+                         f"(hidden's without its last dimension), got {got}")
+    norm_weight, norm_eps = None, None
+    if isinstance(norm, tuple):
+        norm_weight, norm_eps = norm
+        if not isinstance(norm_weight, Tensor):
+            raise ValueError("coda.nn.causal_lm_loss: norm=(weight, eps) needs the RMSNorm's weight tensor")
+    elif isinstance(norm, nn.RMSNorm):
+        norm_weight, norm_eps = norm.weight, norm.eps
+    elif norm is not None:
+        if stats is not None:
+            raise ValueError(f"coda.nn.causal_lm_loss: stats are the row statistics of an RMSNorm applied inside the "
+                             f"op; {type(norm).__name__} is applied in torch first and takes none")
+        hidden = norm(hidden)
+    elif stats is not None:
+        raise ValueError("coda.nn.causal_lm_loss: stats need norm= (the RMSNorm they are the statistics of)")
+
+    # labels[t + 1] is the target of position t; the last position of each row has none
+    target = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    loss_fn = getattr(ops, "linear_cross_entropy", None)
+    if loss_fn is None:
+        raise RuntimeError("coda.nn.causal_lm_loss needs coda.ops.linear_cross_entropy, which this build of coda "
+                           "lacks")
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = loss_fn(hidden, weight, target.to(hidden.device), bias, ignore_index=ignore_index, reduction=reduction,
+                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
