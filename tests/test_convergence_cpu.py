@@ -53,16 +53,17 @@ def train(model, batches, steps, autocast_dtype=None, lr=3e-3):
     return losses
 
 
-def side_by_side(family, vocab, device="cpu", dtype=torch.float32, autocast_dtype=None, steps=STEPS):
+def side_by_side(family, vocab, device="cpu", dtype=torch.float32, autocast_dtype=None, steps=STEPS, seq=32,
+                 lr=3e-3, **config):
     """(initial, plain, patched state_dicts, plain losses, patched losses)."""
-    plain = build(family, vocab).to(device, dtype)
+    plain = build(family, vocab, **config).to(device, dtype)
     patched = coda.patch(copy.deepcopy(plain))
     initial = {k: v.clone() for k, v in plain.state_dict().items()}
-    batches = data(vocab, device)
+    batches = data(vocab, device, seq=seq)
     torch.manual_seed(0)
-    plain_losses = train(plain, batches, steps, autocast_dtype)
+    plain_losses = train(plain, batches, steps, autocast_dtype, lr)
     torch.manual_seed(0)
-    patched_losses = train(patched, batches, steps, autocast_dtype)
+    patched_losses = train(patched, batches, steps, autocast_dtype, lr)
     return initial, plain.state_dict(), patched.state_dict(), plain_losses, patched_losses
 
 

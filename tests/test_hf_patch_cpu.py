@@ -63,23 +63,26 @@ def gpt2_config(vocab=VOCAB, **kw):
     return transformers.GPT2Config(**{**base, **kw})
 
 
-def config_of(family, vocab=VOCAB):
+def config_of(family, vocab=VOCAB, **kw):
+    """The family's tiny config; kw overrides (LLaMA's names for the LLaMA family)."""
     if family == "llama":
-        return llama_config(vocab)
+        return llama_config(vocab, **kw)
     if family == "llama_tied":
-        return llama_config(vocab, tie_word_embeddings=True)
+        return llama_config(vocab, tie_word_embeddings=True, **kw)
     if family == "mistral":
-        return transformers.MistralConfig(**llama_config(vocab).to_dict() | dict(sliding_window=8))
+        return transformers.MistralConfig(**llama_config(vocab, **kw).to_dict() | dict(sliding_window=8))
     if family == "qwen2":
-        return transformers.Qwen2Config(**llama_config(vocab).to_dict())
+        return transformers.Qwen2Config(**llama_config(vocab, **kw).to_dict())
     if family == "gpt2":
-        return gpt2_config(vocab)
+        return gpt2_config(vocab, **kw)
     raise ValueError(family)
 
 
-def build(family, vocab=VOCAB, seed=0):
+def build(family, vocab=VOCAB, seed=0, **config):
+    """A float32 model of the family from the seed, in training mode."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_of(family, vocab), attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config_of(family, vocab, **config),
+                                                          attn_implementation="sdpa")
     return model.float().train()
 
 
