@@ -50,11 +50,16 @@ def linear_cross_entropy(monkeypatch):
 
 # ---- tiny models
 
-def llama_config(vocab=VOCAB, **kw):
+def llama_kwargs(vocab=VOCAB, **kw):
+    """A tiny LLaMA-family config's arguments (Mistral's and Qwen's take the same)."""
     base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, use_cache=False,
                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return transformers.LlamaConfig(**{**base, **kw})
+    return {**base, **kw}
+
+
+def llama_config(vocab=VOCAB, **kw):
+    return transformers.LlamaConfig(**llama_kwargs(vocab, **kw))
 
 
 def gpt2_config(vocab=VOCAB, **kw):
@@ -70,9 +75,9 @@ def config_of(family, vocab=VOCAB, **kw):
     if family == "llama_tied":
         return llama_config(vocab, tie_word_embeddings=True, **kw)
     if family == "mistral":
-        return transformers.MistralConfig(**llama_config(vocab, **kw).to_dict() | dict(sliding_window=8))
+        return transformers.MistralConfig(**llama_kwargs(vocab, sliding_window=8, **kw))
     if family == "qwen2":
-        return transformers.Qwen2Config(**llama_config(vocab, **kw).to_dict())
+        return transformers.Qwen2Config(**llama_kwargs(vocab, **kw))
     if family == "gpt2":
         return gpt2_config(vocab, **kw)
     raise ValueError(family)
@@ -176,6 +181,41 @@ def test_loss_logits_gradients_match(family, seed):
         assert rel_err(model(ids, logits_to_keep=1).logits, logits[:, -1:]) <= TOL
         hidden = model.base_model(ids).last_hidden_state
         assert rel_err(hidden, plain.base_model(ids).last_hidden_state) <= TOL
+
+
+def test_blocks_as_chains(monkeypatch):
+    # each GEMM that writes the residual stream hands the next norm its statistics: o_proj's to the MLP's
+    # norm, the MLP's to the next layer's input norm (and the last one's to the final norm in the loss)
+    calls = []
+
+    def spy(name):
+        fn = getattr(ops, name)
+
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls.append((name, args, kwargs, out))
+            return out
+        monkeypatch.setattr(ops, name, wrapped, raising=False)
+
+    for name in ("rmsnorm_linear_rope", "linear_residual", "norm_glu_mlp", "linear_cross_entropy"):
+        spy(name)
+    _, model = pair("llama")
+    ids = tokens()
+    model(ids, labels=ids).loss.backward()
+    assert [c[0] for c in calls] == ["rmsnorm_linear_rope", "linear_residual", "norm_glu_mlp"] * 2 + \
+        ["linear_cross_entropy"]
+    rope_stats = [calls[0][1][7], calls[3][1][7]]  # rmsnorm_linear_rope(x, γ, W, positions, freq, b, eps, stats)
+    assert rope_stats[0] is None  # the first layer reduces its own
+    for layer in range(2):
+        rope, residual, mlp = calls[3 * layer: 3 * layer + 3]
+        h, stats = residual[3]
+        assert mlp[1][9] is stats  # norm_glu_mlp(x, ..., residual, stats, return_stats)
+        eps = model.model.layers[layer].mlp.norm.eps
+        assert torch.allclose(stats[..., 1], torch.rsqrt(h.float().square().mean(-1) + eps))
+        y, next_stats = mlp[3]
+        if layer == 0:
+            assert rope_stats[1] is next_stats
+    assert calls[-1][2]["stats"] is calls[-2][3][1]  # the final norm, inside the loss
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -328,7 +368,7 @@ def test_unknown_models_raise_type_error():
 
 
 def test_unsupported_configurations_raise():
-    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama_config().to_dict()))
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama_kwargs()))
     with pytest.raises(NotImplementedError, match="q_norm"):
         coda.patch(qwen3)
     biased = transformers.LlamaForCausalLM(llama_config(mlp_bias=True))
