@@ -539,4 +539,23 @@ Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream
   return kernels::rope_backward(dtype, a, stream);
 }
 
+Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "cross_entropy: m must be >= 0 and n positive");
+  if (a.logits == nullptr || a.target == nullptr || a.loss == nullptr) {
+    return detail::fail(Status::kInvalidArgument, "cross_entropy: logits, target and loss must not be null");
+  }
+  if (!aligned16(a.logits) || a.ld % 8 != 0 || a.ld < a.n) {
+    return detail::fail(Status::kMisaligned, "cross_entropy: logits must be 16-byte aligned with a leading dimension "
+                                             ">= n and a multiple of 8, got " + std::to_string(a.ld));
+  }
+  if (!(a.label_smoothing >= 0.f && a.label_smoothing <= 1.f) || !(a.softcap >= 0.f) || !(a.z_loss >= 0.f)) {
+    return detail::fail(Status::kInvalidArgument, "cross_entropy: label_smoothing must be in [0, 1], softcap and "
+                                                  "z_loss >= 0");
+  }
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::cross_entropy(dtype, a, stream);
+}
+
 }  // namespace coda

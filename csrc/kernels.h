@@ -255,4 +255,7 @@ size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
 // The body of the public coda::rope_backward (csrc/rope_kernels.cu).
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream);
 
+// The body of the public coda::cross_entropy (csrc/cross_entropy_kernels.cu).
+Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream);
+
 }  // namespace coda::kernels

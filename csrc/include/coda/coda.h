@@ -284,6 +284,27 @@ struct RopeBackwardArgs {
   float* c1 = nullptr;               // (m) out, or null
 };
 
+// The cross-entropy rows of the fused LM head + loss (csrc/cross_entropy_kernels.cu):
+// per row of a chunk of logits, the loss and log-sum-exp, and, with
+// write_grad, d loss / d logits written over the logits (scaled by
+// *grad_scale and row_grad[r] where given). The LM-head GEMMs around it are
+// the caller's (torch's linear_cross_entropy op runs them chunk by chunk).
+struct CrossEntropyArgs {
+  int64_t m = 0, n = 0;              // rows (tokens), vocabulary
+  void* logits = nullptr;            // (m, n) in; the gradient out when write_grad
+  int64_t ld = 0;                    // a multiple of 8, logits 16-byte aligned
+  const int64_t* target = nullptr;   // (m) class per row, or ignore_index
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.f;
+  float softcap = 0.f;               // > 0: logits -> softcap·tanh(logits/softcap)
+  float z_loss = 0.f;                // adds z_loss·lse² per row
+  const float* grad_scale = nullptr; // () scale of every row's gradient, or null (1)
+  const float* row_grad = nullptr;   // (m) per-row scale, or null (1)
+  bool write_grad = false;
+  float* loss = nullptr;             // (m) out
+  float* lse = nullptr;              // (m) out, or null
+};
+
 // Each op runs on `stream`. `workspace` may be null: then the op allocates
 // what it needs stream-ordered (cudaMallocAsync) and frees it after.
 Status linear(DType dtype, const LinearArgs& args, void* workspace, size_t workspace_bytes,
@@ -311,6 +332,7 @@ Status glu_dgrad(DType dtype, const GluDgradArgs& args, void* workspace, size_t 
 Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
+Status cross_entropy(DType dtype, const CrossEntropyArgs& args, cudaStream_t stream);
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& args);
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);

@@ -7,6 +7,7 @@ nn.Linear's (out, in) layout."""
 from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, interleave_gate_up,
                   interleaved_to_concatenated, norm_glu_mlp, norm_glu_mlp_reference, split_gate_up)
 from .linear import linear, linear_reference, mlp, mlp_reference
+from .loss import linear_cross_entropy, linear_cross_entropy_reference
 from .norm import (FoldedWeight, fold_norm_weight, layernorm_linear, linear_residual, norm_linear_reference,
                    norm_mlp, norm_mlp_reference, normalize_reference, rmsnorm_linear, row_stats)
 from .rope import (rmsnorm_linear_rope, rmsnorm_linear_rope_reference, rope_frequencies, rope_permute_qk,
@@ -17,4 +18,4 @@ __all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "l
            "norm_mlp_reference", "normalize_reference", "glu_mlp", "norm_glu_mlp", "glu_mlp_reference",
            "norm_glu_mlp_reference", "interleave_gate_up", "split_gate_up", "concatenated_to_interleaved",
            "interleaved_to_concatenated", "rmsnorm_linear_rope", "rmsnorm_linear_rope_reference", "rope_frequencies",
-           "rope_permute_qk", "rope_unpermute_qk"]
+           "rope_permute_qk", "rope_unpermute_qk", "linear_cross_entropy", "linear_cross_entropy_reference"]

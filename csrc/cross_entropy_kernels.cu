@@ -1,0 +1,186 @@
+// The cross-entropy rows of the fused LM head + loss: per row of a chunk of
+// logits (written by the LM-head GEMM), the log-sum-exp, the loss, and the
+// gradient of the loss with respect to the logits, in place.
+//
+// Why in place: the chunk of logits is the largest tensor of a training step
+// with a large vocabulary, and each element is read for the statistics, read
+// again for its gradient and never needed after, so the gradient takes its
+// storage; the two GEMMs after (dX = dZ·W, dW += dZᵀ·X) read it from there.
+// Per row r, with z' = cap·tanh(z/cap) when softcapping (else z), ε the label
+// smoothing, V the vocabulary and t the target:
+//   lse  = log Σ_j exp(z'_j)                 (online max and sum, one read)
+//   loss = (1−ε)(lse − z'_t) + ε(lse − Σ_j z'_j / V) + z_loss·lse²
+//   dz_j = s_r·[p_j − (1−ε)·[j = t] − ε/V + 2·z_loss·lse·p_j]·(1 − tanh²)
+// with p = softmax(z') and s_r the row's scale (1/valid rows for a mean, the
+// upstream gradient, or both). Rows whose target is ignore_index get zero
+// loss and zero gradient; a target outside [0, V) gets NaN in both, so that
+// a bad label never trains silently (torch raises a device assert there).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "block_sum.cuh"
+#include "error.h"
+#include "half_types.cuh"
+#include "kernels.h"
+
+namespace coda::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kVec = 8;  // 16-bit elements per 16-byte access
+
+template <class T>
+struct alignas(16) Vec {
+  T v[kVec];
+};
+
+// (max, Σ exp(z − max)) pairs combine exactly as log-sum-exps do.
+struct Lse {
+  float m, s;
+};
+
+__device__ inline Lse combine(Lse a, Lse b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
+}
+
+__device__ inline Lse warp_lse(Lse v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    v = combine(v, {__shfl_xor_sync(0xffffffff, v.m, o), __shfl_xor_sync(0xffffffff, v.s, o)});
+  }
+  return v;
+}
+
+__device__ inline float capped(float z, float cap) { return cap > 0.f ? cap * tanhf(z / cap) : z; }
+
+// One block per row (the rows loop for grids past 2^31 − 1 blocks). Rows are
+// 16-byte aligned (ld a multiple of 8, base aligned: api.cpp checks), so the
+// first n/8·8 columns go in 16-byte accesses and the tail one by one.
+template <class T>
+__global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArgs a) {
+  __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
+  __shared__ float row_lse, row_sum;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n = a.n, full = n / kVec * kVec;
+  const float cap = a.softcap, eps = a.label_smoothing;
+  for (int64_t r = blockIdx.x; r < a.m; r += gridDim.x) {
+    T* row = static_cast<T*>(a.logits) + r * a.ld;
+    const int64_t t = a.target[r];
+    if (t == a.ignore_index) {
+      if (threadIdx.x == 0) {
+        a.loss[r] = 0.f;
+        if (a.lse != nullptr) a.lse[r] = 0.f;
+      }
+      if (a.write_grad) {
+        Vec<T> zero;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) zero.v[e] = from_float<T>(0.f);
+        for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
+          *reinterpret_cast<Vec<T>*>(row + j) = zero;
+        }
+        for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(0.f);
+      }
+      continue;
+    }
+    // Pass 1: the row's log-sum-exp and Σ z'.
+    Lse acc{-INFINITY, 0.f};
+    float zsum = 0.f;
+    for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
+      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(row + j);
+      float z[kVec], mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        z[e] = capped(to_float(v.v[e]), cap);
+        mx = fmaxf(mx, z[e]);
+        zsum += z[e];
+      }
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) s += __expf(z[e] - mx);
+      acc = combine(acc, {mx, s});
+    }
+    for (int64_t j = full + threadIdx.x; j < n; j += kThreads) {
+      const float z = capped(to_float(row[j]), cap);
+      zsum += z;
+      acc = combine(acc, {z, 1.f});
+    }
+    acc = warp_lse(acc);
+    zsum = warp_sum(zsum);
+    if (lane == 0) {
+      sm[warp] = acc.m;
+      ss[warp] = acc.s;
+      sz[warp] = zsum;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      Lse b = lane < kThreads / 32 ? Lse{sm[lane], ss[lane]} : Lse{-INFINITY, 0.f};
+      float zs = lane < kThreads / 32 ? sz[lane] : 0.f;
+      b = warp_lse(b);
+      zs = warp_sum(zs);
+      if (lane == 0) {
+        row_lse = b.m + __logf(b.s);
+        row_sum = zs;
+      }
+    }
+    __syncthreads();
+    const float lse = row_lse;
+    const bool bad = t < 0 || t >= n;
+    if (threadIdx.x == 0) {
+      const float zt = bad ? 0.f : capped(to_float(row[t]), cap);
+      float loss = (1.f - eps) * (lse - zt) + eps * (lse - row_sum / float(n)) + a.z_loss * lse * lse;
+      a.loss[r] = bad ? NAN : loss;
+      if (a.lse != nullptr) a.lse[r] = lse;
+    }
+    if (a.write_grad) {
+      // Pass 2: the gradient, in place. Every thread read its own elements
+      // in pass 1 only, and the block synchronized since.
+      float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
+      if (bad) scale = NAN;
+      const float off = eps / float(n), hit = 1.f - eps, zl = 2.f * a.z_loss * lse;
+      auto grad = [&](float raw, int64_t j) {
+        const float z = capped(raw, cap);
+        const float p = __expf(z - lse);
+        float g = p * (1.f + zl) - off - (j == t ? hit : 0.f);
+        if (cap > 0.f) {
+          const float th = z / cap;
+          g *= 1.f - th * th;
+        }
+        return scale * g;
+      };
+      for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
+        Vec<T> v = *reinterpret_cast<const Vec<T>*>(row + j);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v.v[e] = from_float<T>(grad(to_float(v.v[e]), j + e));
+        *reinterpret_cast<Vec<T>*>(row + j) = v;
+      }
+      for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(grad(to_float(row[j]), j));
+    }
+    __syncthreads();  // the shared row values are rewritten by the next row
+  }
+}
+
+template <class T>
+Status launch(const CrossEntropyArgs& a, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(a.m < 0x7fffffff ? a.m : 0x7fffffff);
+  cross_entropy_kernel<T><<<grid, kThreads, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return detail::fail(Status::kCudaError, std::string("cross_entropy launch: ") + cudaGetErrorString(e));
+  }
+  return Status::kSuccess;
+}
+
+}  // namespace
+
+Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return Status::kSuccess;
+  if (dtype == DType::kBFloat16) return launch<__nv_bfloat16>(a, stream);
+  if (dtype == DType::kFloat16) return launch<__half>(a, stream);
+  return detail::fail(Status::kInvalidArgument, "cross_entropy: dtype must be bfloat16 or float16");
+}
+
+}  // namespace coda::kernels

@@ -1,0 +1,106 @@
+"""The LM head + cross-entropy, forward + backward (`--only lm_head`): time and peak memory.
+
+Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, at 8192 tokens x d 2048 and
+16384 x 4096, vocabulary 128,256 (LLaMA 3's), bf16. Impls:
+  coda          coda.ops.linear_cross_entropy (default chunks)
+  coda_c<N>     the same with N tokens per chunk: the memory / time trade-off
+  cublas        the three GEMMs alone (logits, dX, dW): the floor
+  eager         F.linear + F.cross_entropy
+  compile       torch.compile of it
+  liger         Liger-Kernel's LigerFusedLinearCrossEntropyFunction
+Each row has peak_gib (torch.cuda.max_memory_allocated over one step, the
+inputs included) and extra_gib (that minus the inputs and the gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+import coda
+
+from . import steps
+from .timing import Runner, why
+
+VOCAB = 128256
+POINTS = [(8192, 2048), (16384, 4096)]
+CHUNKS = (1024, 4096)
+
+
+def points(tokens, dims, gpu: bool):
+    """(tokens, d) pairs: the two above by default; --tokens / --dims pick others (every pair)."""
+    if not gpu:
+        return [(t, d) for t in (tokens or [256]) for d in (dims or [64])]
+    if tokens is None and dims is None:
+        return POINTS
+    return [(t, d) for t in (tokens or [8192]) for d in (dims or [2048])]
+
+
+def liger_fn():
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception as e:  # not installed, or no triton
+        return None, f"liger_kernel is not importable ({why(e)})"
+    return (lambda x, w, t: LigerFusedLinearCrossEntropyFunction.apply(x, w, t)[0]), ""
+
+
+def _peak(step, device: str) -> float:
+    """Peak bytes allocated over one step."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    del out
+    return float(torch.cuda.max_memory_allocated())
+
+
+def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device: str, vocab: int = VOCAB) -> None:
+    fn_liger, why_not = liger_fn() if r.gpu else (None, "Liger-Kernel's Triton kernels need a CUDA GPU")
+    vocab = vocab if r.gpu else 1000
+    for d in dims:
+        case = f"lm_head_ce_fwd_bwd_t{tokens}_d{d}_v{vocab}"
+        torch.manual_seed(0)
+        x = steps.rand(tokens, d, dtype=dtype, device=device).requires_grad_(True)
+        w = steps.rand(vocab, d, dtype=dtype, device=device, scale=d**-0.5).requires_grad_(True)
+        t = torch.randint(0, vocab, (tokens,), device=device)
+
+        def step(fn):
+            return lambda: torch.autograd.grad(fn(x, w, t), [x, w])
+
+        def eager(x, w, t):
+            return F.cross_entropy(F.linear(x, w), t)
+
+        def cublas():
+            z = x.detach() @ w.detach().t()
+            return z @ w.detach(), z.t() @ x.detach()
+
+        impls = {"coda": step(lambda x, w, t: coda.ops.linear_cross_entropy(x, w, t))}
+        for c in CHUNKS:
+            impls[f"coda_c{c}"] = step(lambda x, w, t, c=c: coda.ops.linear_cross_entropy(x, w, t, chunk_tokens=c))
+        impls.update({"cublas": cublas, "eager": step(eager), "compile": step(steps.compiled(eager))})
+        if fn_liger is not None:
+            impls["liger"] = step(fn_liger)
+        else:
+            r.skip(case, "liger", why_not)
+        rows = r.interleaved(case, impls, 3 * 2.0 * tokens * d * vocab, reference="eager")
+        held = 2 * (x.nbytes + w.nbytes)  # inputs and their gradients
+        for row in rows:
+            try:
+                peak = _peak(impls[row["impl"]], device)
+            except Exception as e:  # a diagnosis, never a reason to stop
+                r.skip(case, row["impl"] + " (peak)", why(e))
+                continue
+            row["peak_gib"] = peak / 2**30
+            row["extra_gib"] = (peak - held) / 2**30
+            print(f"  {case:<32} {row['impl']:<14} peak {row['peak_gib']:7.3f} GiB  "
+                  f"extra {row['extra_gib']:7.3f} GiB", flush=True)
+        if r.after_case is not None:
+            r.after_case()
+        del impls, x, w, t
+        if r.gpu:
+            torch.cuda.empty_cache()

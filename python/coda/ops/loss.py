@@ -1,0 +1,144 @@
+"""The LM head and its cross-entropy loss in one op, with no (tokens, vocab)
+logits tensor in memory (csrc/torch/loss_ops.cpp): the LM-head GEMM runs
+over chunks of tokens into one reused buffer, a kernel reduces each row's
+log-sum-exp and writes d loss / d logits over it, and two GEMMs take that to
+dX and dW. The gradients are done when the forward returns; the backward
+scales them. Extra memory: one chunk, at most 1/8 of the fp32 logits and
+512 MiB.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _kernels
+from . import _checks
+from ._common import autocast
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
+
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+
+if _kernels.has_op("linear_cross_entropy_loss"):
+
+    @torch.library.register_fake("coda::linear_cross_entropy")
+    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs):
+        m = math.prod(x.shape[:-1])
+        f32 = x.new_empty((), dtype=torch.float32)
+        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 else f32
+        grad = reduction != 0
+        return (loss, x.new_empty(m, dtype=torch.float32),
+                x.new_empty(x.shape) if grad and needs[0] else x.new_empty(0),
+                x.new_empty(weight.shape) if grad and needs[1] else x.new_empty(0),
+                x.new_empty(weight.shape[0]) if grad and needs[2] and bias is not None else x.new_empty(0))
+
+    @torch.library.register_fake("coda::linear_cross_entropy_backward")
+    def _(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
+        return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),
+                x.new_empty(weight.shape) if needs[1] else x.new_empty(0),
+                x.new_empty(weight.shape[0]) if needs[2] and bias is not None else x.new_empty(0))
+
+    @torch.library.register_fake("coda::linear_cross_entropy_loss")
+    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk):
+        m = math.prod(x.shape[:-1])
+        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 \
+            else x.new_empty((), dtype=torch.float32)
+        return loss, x.new_empty(m, dtype=torch.float32)
+
+
+def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                                   ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                                   softcap: Optional[float] = None, z_loss: float = 0.0,
+                                   norm_weight: Optional[Tensor] = None, norm_eps: Optional[float] = None,
+                                   stats: Optional[Tensor] = None) -> Tensor:
+    """The same loss from the materialized logits (F.linear, then
+    F.cross_entropy on them, in float32 for 16-bit inputs, as Hugging Face's
+    loss upcasts them)."""
+    if norm_weight is not None:
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps)
+    z = F.linear(x, weight, bias)
+    z = z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z, t = z.reshape(-1, z.shape[-1]), target.reshape(-1)
+    loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        valid = t != ignore_index
+        loss = loss + z_loss * torch.where(valid, torch.logsumexp(z, -1), 0.0).square()
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (t != ignore_index).sum()
+
+
+def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens):
+    _checks.x_input(x, op)
+    _checks.weight("weight", weight, x.shape[-1], op, "x", x.shape)
+    _checks.vector("bias", bias, weight.shape[0], op, " (the vocabulary: rows of weight)")
+    _checks.vector("norm_weight", norm_weight, x.shape[-1], op, f" (the last dimension of x, {tuple(x.shape)})")
+    if not isinstance(target, Tensor) or target.dtype not in (torch.int64, torch.int32) \
+            or tuple(target.shape) != tuple(x.shape[:-1]):
+        got = f"{target.dtype} {tuple(target.shape)}" if isinstance(target, Tensor) else type(target).__name__
+        raise ValueError(f"coda.{op}: target must be an int64 (or int32) tensor of shape {tuple(x.shape[:-1])} "
+                         f"(x's without its last dimension: one class per token), got {got}")
+    if target.device != x.device:
+        raise ValueError(f"coda.{op}: target is on {target.device}, expected {x.device} (the device of x)")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"coda.{op}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"coda.{op}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf):
+        raise ValueError(f"coda.{op}: softcap must be a positive float or None, got {softcap!r}")
+    if not isinstance(z_loss, (int, float)) or not 0.0 <= z_loss < math.inf:
+        raise ValueError(f"coda.{op}: z_loss must be a float >= 0, got {z_loss!r}")
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
+        raise ValueError(f"coda.{op}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         softcap: Optional[float] = None, z_loss: float = 0.0, norm_weight: Optional[Tensor] = None,
+                         norm_eps: Optional[float] = None, stats: Optional[Tensor] = None,
+                         chunk_tokens: Optional[int] = None) -> Tensor:
+    """cross_entropy(x·weightᵀ + bias, target) without the logits in memory.
+
+    x: (..., D) the LM head's input; weight: (V, D), e.g. lm_head.weight or
+    the tied embedding's; target: (...) int64 classes or ignore_index; bias:
+    (V,) or None. ignore_index, reduction ("mean" over the rows not ignored,
+    "sum", "none": x.shape[:-1]) and label_smoothing as
+    torch.nn.functional.cross_entropy; softcap: logits -> softcap·tanh(logits/
+    softcap) first (Gemma 2); z_loss: adds z_loss·logsumexp² per row (PaLM).
+    norm_weight: an RMSNorm (γ = norm_weight, eps = norm_eps, None: machine
+    epsilon as nn.RMSNorm) applied to x first, the final norm every decoder
+    puts before its LM head; stats is accepted for chaining (linear_residual's
+    row statistics) and not needed: the norm is one pass over (tokens, D),
+    small beside the head. chunk_tokens: tokens per chunk (None: at most 1/8
+    of the fp32 logits and 512 MiB at once). Returns the loss in float32.
+    Gradients flow to x, weight, bias and norm_weight.
+    """
+    op = "linear_cross_entropy"
+    _check(op, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens)
+    x, weight, bias, norm_weight = autocast(x, weight, bias, norm_weight)
+    for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight)):
+        if t is not None:
+            _checks.like(name, t, x, op)
+    kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, softcap=softcap,
+              z_loss=z_loss)
+    # The vocabulary needs no multiple of 8 (the logits buffer's rows are padded); D does (the GEMMs' operands).
+    use = _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1],))
+    if use and not _kernels.has_op("linear_cross_entropy_loss"):
+        _kernels.fallback(op, "the loaded coda._C predates coda::linear_cross_entropy (rebuild the extension)")
+        use = False
+    if norm_weight is not None:
+        x = F.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps)
+    if not use:
+        return linear_cross_entropy_reference(x, weight, target, bias, **kw)
+    return torch.ops.coda.linear_cross_entropy_loss.default(
+        x, weight, bias, target, int(ignore_index), float(label_smoothing), float(softcap or 0.0), float(z_loss),
+        REDUCTIONS[reduction], int(chunk_tokens or 0))[0]

@@ -1,0 +1,186 @@
+"""GPU tests of the LM head + cross-entropy (issue 25): the loss and every
+gradient against float64, each within the error of the unfused torch bf16
+path (F.linear, then F.cross_entropy on the logits) on the same fresh random
+inputs, outputs poisoned first, in strict mode (a fallback raises); the
+kernel's own launch seen by the profiler; vocabularies that are no multiple
+of 8, ignored rows, an all-ignored batch, label smoothing, softcapping,
+z-loss, large and peaked logits, bias, the RMSNorm in front, tied
+embeddings, the chunking, its memory bound; opcheck and
+torch.compile(fullgraph=True). Skipped without an sm_90 GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from coda import ops
+from helpers import poison_cuda_allocator, rel_err, within_torch_error
+from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
+
+pytestmark = pytest.mark.gpu
+
+BF16 = torch.bfloat16
+
+
+def targets(m, v, ignored=0.0, ignore_index=-100):
+    t = torch.randint(0, v, (m,), device="cuda")
+    if ignored:
+        t[torch.rand(m, device="cuda") < ignored] = ignore_index
+    return t
+
+
+def run(fn, inputs, dl):
+    ins = leaves(*inputs)
+    loss = fn(*ins)
+    loss.backward(dl)
+    return loss.detach(), [None if t is None else t.grad for t in ins]
+
+
+def check(name, inputs, target, dl=None, tokens=None, **kw):
+    """coda against float64 and the torch bf16 path against float64, per output and gradient."""
+    n_inputs = len(inputs)
+    names = ["x", "weight", "bias", "norm_weight"][:n_inputs]
+
+    def call(impl):
+        def fn(*ts):
+            args = dict(zip(names, ts))
+            return impl(args["x"], args["weight"], target, args.get("bias"), norm_weight=args.get("norm_weight"),
+                        **kw)
+        return fn
+
+    reduction = kw.get("reduction", "mean")
+    if dl is None:
+        dl = (torch.randn(target.shape, device="cuda") if reduction == "none"
+              else torch.tensor(1.7, device="cuda"))
+    m, v = inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], inputs[1].shape[0]
+    poison_cuda_allocator(4 * m * v)
+    loss, grads = run(call(ops.linear_cross_entropy), inputs, dl)
+    torch.cuda.synchronize()
+    loss64, grads64 = run(call(ops.linear_cross_entropy_reference), [t.double() for t in inputs], dl.double())
+    losst, gradst = run(call(ops.linear_cross_entropy_reference), inputs, dl)
+    within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
+    for nm, g, g64, gt in zip(names, grads, grads64, gradst):
+        if g64 is not None:
+            numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
+            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), numel=numel)
+    return loss, grads
+
+
+SHAPES = [(1000, 1024, 32000), (777, 512, 50257), (300, 256, 128256), (64, 2048, 151936), (4096, 1024, 32001),
+          (1, 512, 1000)]
+
+
+@pytest.mark.parametrize("m,d,v", SHAPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_shapes_and_reductions(m, d, v, reduction, seed):
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
+    check(f"lce {m}x{d}x{v} {reduction} seed={seed}", [x, w], targets(m, v, 0.1), reduction=reduction, tokens=m)
+
+
+def test_the_kernel_ran():
+    x, w, t = rand(256, 512, dtype=BF16), rand(5000, 512, dtype=BF16, scale=512**-0.5), targets(256, 5000)
+    x.requires_grad_(True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        ops.linear_cross_entropy(x, w, t).backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("cross_entropy_kernel" in n for n in names), sorted(set(names))[:20]
+
+
+@pytest.mark.parametrize("option", [dict(label_smoothing=0.1), dict(softcap=30.0), dict(z_loss=1e-4),
+                                    dict(label_smoothing=0.05, softcap=15.0, z_loss=1e-3, ignore_index=7)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options(option, reduction, seed):
+    m, d, v = 600, 512, 32000
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=3 * d**-0.5)
+    t = targets(m, v, 0.2, option.get("ignore_index", -100))
+    check(f"lce {option} {reduction} seed={seed}", [x, w], t, reduction=reduction, tokens=m, **option)
+
+
+@pytest.mark.parametrize("scale", [30.0, 100.0])
+def test_large_and_peaked_logits(scale, seed):
+    """|logit| ~ 30-100, and rows whose target logit stands far above the rest."""
+    m, d, v = 512, 256, 50257
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=scale * d**-0.5)
+    t = targets(m, v)
+    with torch.no_grad():  # half the rows peaked: the target's weight row aligned with x
+        w[t[: m // 2]] = (x[: m // 2].float() * (scale / d)).to(BF16)
+    check(f"lce large x{scale} seed={seed}", [x, w], t, tokens=m)
+
+
+def test_bias_and_norm(seed):
+    m, d, v = 700, 1024, 32000
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
+    b, g = rand(v, dtype=BF16), (1 + 0.1 * rand(d, dtype=torch.float32)).to(BF16)
+    check(f"lce bias+norm seed={seed}", [x, w, b, g], targets(m, v, 0.1), tokens=m, norm_eps=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 100, 4096])
+def test_chunk_sizes(chunk, seed):
+    m, d, v = 1000, 512, 32000
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
+    check(f"lce chunk {chunk} seed={seed}", [x, w], targets(m, v, 0.1), chunk_tokens=chunk, tokens=m)
+
+
+def test_all_ignored_is_nan_with_zero_gradients():
+    x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
+    t = torch.full((64,), -100, device="cuda")
+    xl, wl = leaves(x, w)
+    loss = ops.linear_cross_entropy(xl, wl, t)
+    ref = F.cross_entropy(F.linear(x, w).float(), t)
+    assert torch.isnan(loss) and torch.isnan(ref)
+    loss.backward()
+    assert torch.all(xl.grad == 0) and torch.all(wl.grad == 0)
+    assert ops.linear_cross_entropy(x, w, t, reduction="sum").item() == 0.0
+
+
+def test_tied_embedding(seed):
+    """The LM head's weight is the embedding's: both gradients land on it."""
+    m, d, v = 512, 512, 32000
+    w, ids, t = rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v), targets(m, v)
+
+    def model(loss_fn, w):
+        h = F.embedding(ids, w) * 3.0
+        return loss_fn(h, w, t)
+
+    wl = leaves(w)[0]
+    model(ops.linear_cross_entropy, wl).backward()
+    w64 = leaves(w.double())[0]
+    model(ops.linear_cross_entropy_reference, w64).backward()
+    wt = leaves(w)[0]
+    model(ops.linear_cross_entropy_reference, wt).backward()
+    within_torch_error(f"lce tied dW seed={seed}", rel_err(wl.grad, w64.grad), rel_err(wt.grad, w64.grad),
+                       numel=m * d)
+
+
+def test_peak_memory_is_an_eighth_of_the_fp32_logits():
+    m, d, v = 8192, 1024, 32000
+    x, w, t = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v)
+    xl, wl = leaves(x, w)
+    ops.linear_cross_entropy(xl, wl, t).backward()  # cuBLAS's workspace, kept after, is not the op's
+    xl.grad, wl.grad = None, None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ops.linear_cross_entropy(xl, wl, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - x.nbytes - w.nbytes  # beyond the two gradients
+    assert extra <= m * v * 4 / 8 + (4 << 20), f"extra {extra / 2**20:.1f} MiB, bound {m * v * 4 / 8 / 2**20:.1f} MiB"
+
+
+def test_op_check_and_compile(seed):
+    x, w, t = rand(100, 256, dtype=BF16), rand(3001, 256, dtype=BF16, scale=256**-0.5), targets(100, 3001, 0.1)
+    b = rand(3001, dtype=BF16)
+    for red in (0, 1, 2):
+        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
+                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 32))
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
+                          (x, w, b, t, -100, 0.0, 20.0, 0.0, 1, 0, [True, True, True]))
+    xl, wl = leaves(x, w)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: ops.linear_cross_entropy(x, w, t, label_smoothing=0.1), fullgraph=True)
+    fn(xl, wl).backward()
+    xe, we = leaves(x, w)
+    ops.linear_cross_entropy(xe, we, t, label_smoothing=0.1).backward()
+    torch.testing.assert_close(xl.grad, xe.grad)
+    torch.testing.assert_close(wl.grad, we.grad)
+    torch._dynamo.reset()
