@@ -79,6 +79,14 @@ Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
       c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
     }
     c.raster = 1;
+  } else if (p == Program::kGluDgradRowDot) {
+    // Its epilogue loads the (g, u) pairs and stores (dg, du) as 32-bit lanes:
+    // 66 KB of shared memory that leaves the cooperative 128x256 tile 3
+    // mainloop stages (3776 us against cuBLAS's 2738 at LLaMA-3-8B x 16,384);
+    // ping-pong 128x128 keeps 6 and hides the epilogue behind the other warp
+    // group's mainloop (benchmarks/NOTES.md).
+    c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
+    c.raster = n > k ? 2 : 1;
   } else if (is_dgrad(p)) {
     c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
     c.raster = n > k ? 2 : 1;
