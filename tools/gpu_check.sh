@@ -11,7 +11,7 @@
 # may point elsewhere). The tests fail, not skip, where coda._C does not load;
 # CODA_SEED=<n> fixes their random draws: the seed a failing test reports makes its
 # draw reproducible.
-# BENCH_ARGS (e.g. "--only mlp,norm") go to coda.bench, CODA_CMAKE_ARGS to the build;
+# BENCH_ARGS (e.g. "--only mlp,norm"; empty: the training comparison) go to coda.bench, CODA_CMAKE_ARGS to the build;
 # EXTRA_KERNELS="program:dtype:config;..." builds those beside the library's table
 # (-DCODA_EXTRA_KERNELS, in build/gpu-extra) for the sweep, the probe and the profile;
 # SCRIPTS="variants.py --variant raster=2;max_autotune.py" runs those benchmarks/
@@ -29,7 +29,7 @@
 #   benchmarks/profile_kernel.py --list names them; PROFILE_CONFIGS adds candidates,
 #   PROFILE_RASTER sets their raster order, PROFILE_ARGS="--swizzles 4" adds variants),
 #   one report in profile.log.
-# BENCH_TIMEOUT, SWEEP_TIMEOUT, SCRIPT_TIMEOUT, TUNED_TIMEOUT, PROFILE_TIMEOUT bound those steps (s).
+# TESTS_TIMEOUT, BENCH_TIMEOUT, SWEEP_TIMEOUT, SCRIPT_TIMEOUT, TUNED_TIMEOUT, PROFILE_TIMEOUT bound those steps (s).
 set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
@@ -204,7 +204,7 @@ case "$MODE" in
 esac
 
 step "GPU tests"
-run_tests "$OUT/tests.log" "$OUT"
+run_tests "$OUT/tests.log" "$OUT" "" "${TESTS_TIMEOUT:-1800}"
 tail -25 "$OUT/tests.log"
 
 step "C++ example against the installed package"
