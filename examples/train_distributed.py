@@ -19,9 +19,10 @@ CUDA sync included); the summary's tokens/s is the mean over the steps after --w
 --log-json FILE writes both per mode; --save DIR writes the trained model as a distributed
 checkpoint (torch.distributed.checkpoint) per mode, DIR/<mode>.
 
-CPU: gloo, float32, a tiny model. CUDA: NCCL, one GPU per rank (LOCAL_RANK), fp32 master
-weights, bf16 compute (DDP under torch.autocast, FSDP2 by its MixedPrecisionPolicy with
-fp32 gradient reduction), a LLaMA-shaped model of ~150M parameters. NCCL_NVLS_ENABLE=0,
+CPU: gloo, a tiny model, float32 (--dtype bf16: as on CUDA). CUDA: NCCL, one GPU per rank
+(LOCAL_RANK), a LLaMA-shaped model of ~160M parameters, fp32 master weights and bf16
+compute (--dtype bf16, the default there: DDP under torch.autocast, FSDP2 by its
+MixedPrecisionPolicy with fp32 gradient reduction). NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set before
 torch.distributed is imported (setdefault: a caller's own values stay), which keeps NCCL
 off NVLink SHARP / multicast, as on hosts that do not allow it.
@@ -51,6 +52,11 @@ Pitfalls of a coda-patched model under these wrappers, and how this script meets
     checkpoint is thus in Hugging Face's keys and layouts (it loads into a plain
     LlamaForCausalLM, or resumes under FSDP2), at the cost of that communication and of
     every layer's q/k/v weights held whole on each rank while it is written.
+  * FSDP2's mixed precision casts a module's floating-point forward inputs to bf16 by default
+    (cast_forward_inputs=True): the float32 RMSNorm statistics a patched decoder layer hands
+    the next one would arrive in bf16, which coda's ops refuse ("stats must be a float32
+    tensor"). shard() passes cast_forward_inputs=False; the hidden states are bf16 anyway,
+    the embedding's weight being bf16.
   * A wrapped model holds its process group: main() collects it before destroying the
     group (see there).
 """
@@ -90,6 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda where there is one")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype (weights stay fp32); default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the mean tokens/s")
     p.add_argument("--seed", type=int, default=0)
@@ -102,6 +110,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
     for name, value in SIZES[args.device].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -132,22 +142,25 @@ def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
     """FSDP2: one FSDP group per decoder layer, then the root's, which holds the embedding,
     the final norm and lm_head. lm_head stays in the root's group: the fused LM head + loss
     reads its weight in the root's forward (see the module docstring)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
-        else MixedPrecisionPolicy()
+    # bf16: the all-gathered weights in bf16, gradients reduced in fp32; forward inputs not
+    # cast (cast_forward_inputs=False): a patched decoder layer takes the float32 RMSNorm
+    # statistics of its input from the layer before, which coda's ops refuse in bf16.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
+        if bf16 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 
-def wrap(model: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, mode: str, device: torch.device, bf16: bool = False) -> torch.nn.Module:
     if mode == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return shard(model, device)
+    return shard(model, bf16)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -175,17 +188,15 @@ def local_rows(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # ---- training
 
-def autocast(device: torch.device):
-    """bf16 compute on CUDA: DDP keeps fp32 weights under autocast; FSDP2 all-gathers bf16
-    copies of them (MixedPrecisionPolicy), which autocast leaves as they are."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(device: torch.device, bf16: bool):
+    """bf16 compute: DDP keeps fp32 weights under autocast; FSDP2 all-gathers bf16 copies of
+    them (MixedPrecisionPolicy), which autocast leaves as they are."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def train_step(model, opt, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+def train_step(model, opt, tokens: torch.Tensor, device: torch.device, bf16: bool = False) -> torch.Tensor:
     """One optimizer step on this rank's rows; returns the local loss (detached)."""
-    with autocast(device):
+    with autocast(device, bf16):
         loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -205,14 +216,15 @@ def train(args: argparse.Namespace, mode: str, device: torch.device, log=print) 
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
-    model = wrap(build_model(args, device), mode, device)
+    bf16 = args.dtype == "bf16"
+    model = wrap(build_model(args, device), mode, device, bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens_per_step = args.global_batch * args.seq_len
     losses, rates = [], []
     for step in range(args.steps):
         tokens = local_rows(global_batch(args, step), rank, world).to(device)
         t0 = time.perf_counter()
-        loss = train_step(model, opt, tokens, device)
+        loss = train_step(model, opt, tokens, device, bf16)
         loss = global_mean(loss, world)  # waits for the step (a CUDA sync)
         dt = time.perf_counter() - t0
         losses.append(loss)
@@ -220,7 +232,7 @@ def train(args: argparse.Namespace, mode: str, device: torch.device, log=print) 
         if rank == 0:
             log(f"{mode} step {step + 1:3d}/{args.steps}  loss {loss:.4f}  tokens/s {rates[-1]:,.0f}")
     timed = rates[min(args.warmup, len(rates) - 1):]
-    result = dict(mode=mode, world_size=world, device=str(device), steps=args.steps, losses=losses,
+    result = dict(mode=mode, world_size=world, device=str(device), dtype=args.dtype, steps=args.steps, losses=losses,
                   tokens_per_s=rates, mean_tokens_per_s=sum(timed) / len(timed),
                   parameters=sum(p.numel() for p in model.parameters()))
     if rank == 0:
@@ -272,7 +284,7 @@ def run(args: argparse.Namespace, device: torch.device, log=print) -> List[Dict]
     """Train each mode of args.mode in turn in the process group already started; each
     result: mode, world_size, losses and tokens_per_s per step, mean_tokens_per_s, model."""
     if dist.get_rank() == 0:
-        log(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, device {device}, "
+        log(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, device {device} ({args.dtype}), "
             f"global batch {args.global_batch} x {args.seq_len} tokens")
     results = [train(args, mode, device, log) for mode in (MODES if args.mode == "both" else (args.mode,))]
     if args.log_json and dist.get_rank() == 0:

@@ -12,7 +12,9 @@ tiny LlamaForCausalLM built from a config, coda.hf.patch'ed; float32).
   * a distributed checkpoint written under FSDP2 (after an optimizer step) loads into a
     single-process model, patched by coda or a plain LlamaForCausalLM, and back into a 2-rank
     FSDP2 model, bit for bit; the example's own checkpoint loads into a plain model with the
-    1-rank run's final weights.
+    1-rank run's final weights;
+  * --dtype bf16 (the CUDA recipe: autocast under DDP, MixedPrecisionPolicy under FSDP2) on
+    2 ranks follows the float32 curve within BF16_RTOL.
 
 Tolerances (float32): the 2-rank run differs from the 1-rank run only in how a weight
 gradient's sum over tokens is split (two half-batch sums averaged by the all-reduce or the
@@ -44,6 +46,7 @@ LOSS_RTOL = 1e-5
 GRAD_TOL = dict(rtol=1e-5, atol_of_max=1e-6)
 WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)  # the final weights after STEPS AdamW steps (lr 3e-3)
 WORKER_CASES = (("ddp", False), ("fsdp2", False), ("fsdp2", True))  # (mode, tied embeddings)
+BF16_STEPS, BF16_RTOL = 3, 5e-3  # bf16 compute against the float32 curve (measured: 1.4e-4)
 
 
 def example():
@@ -200,6 +203,17 @@ def test_fsdp2_checkpoint_loads_into_one_process(worker_out, patched):
         assert torch.equal(got[k], v), k
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_bf16_mixed_precision_trains(one_rank, worker_out, mode):
+    """--dtype bf16, as on CUDA: the reference path in bf16, fp32 weights and reductions."""
+    with open(worker_out / f"bf16_{mode}.json") as f:
+        r = json.load(f)
+    ref = one_rank["ddp"][0][:BF16_STEPS]
+    assert r["dtype"] == "bf16" and r["world_size"] == 2 and len(r["losses"]) == BF16_STEPS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
+    assert worst <= BF16_RTOL, f"bf16 {mode} losses {r['losses']} vs float32 {ref}: relative {worst:.2e}"
+
+
 def test_fsdp2_checkpoint_resumes_under_fsdp2(worker_out):
     truth = torch.load(worker_out / "fsdp2_weights.pt")
     back = torch.load(worker_out / "fsdp2_resumed.pt")  # a 2-rank FSDP2 model of other weights, loaded
@@ -255,6 +269,14 @@ def _worker(out: str) -> None:
                     torch.save(back, os.path.join(out, "fsdp2_resumed.pt"))
                 del resumed
             del model
+        # the CUDA recipe's mixed precision on the CPU: autocast (DDP), MixedPrecisionPolicy (FSDP2)
+        args = ex.parse_args(ARGS + ["--dtype", "bf16", "--steps", str(BF16_STEPS)])
+        for mode in ("ddp", "fsdp2"):
+            r = ex.train(args, mode, device, log=lambda line: None)
+            del r["model"]
+            if rank == 0:
+                with open(os.path.join(out, f"bf16_{mode}.json"), "w") as f:
+                    json.dump(r, f)
     finally:
         gc.collect()
         dist.destroy_process_group()
