@@ -9,9 +9,9 @@ coda.hf.patch'ed in place, wrapped in DistributedDataParallel (--mode ddp) or sh
 FSDP2's fully_shard (--mode fsdp2: each decoder layer, then the root), or each in turn from the
 same seed (--mode both, the default). The data are synthetic and learnable: each sequence
 counts through the first eighth of the vocabulary from a random start with a random stride
-of 1-8 (global_batch). Every step draws one global batch
-from the step's seed, the same on every rank, and each rank trains on its rows: the run is the
-1-rank run on the same global batch, up to the order in which the ranks' gradients are summed.
+of 1-8 (global_batch). Every step draws one global batch from the step's seed, the same on
+every rank, and each rank trains on its rows: the run is the 1-rank run on the same global
+batch, up to the order in which the ranks' gradients are summed.
 
 Per step, rank 0 logs the loss of the global batch (the ranks' losses averaged: each rank's
 holds as many tokens) and tokens/s (the global batch's tokens over the step's wall time, a
@@ -280,13 +280,19 @@ def init(device_type: str) -> torch.device:
     return device
 
 
-def run(args: argparse.Namespace, device: torch.device, log=print) -> List[Dict]:
+def run(args: argparse.Namespace, device: torch.device, log=print, keep_models: bool = False) -> List[Dict]:
     """Train each mode of args.mode in turn in the process group already started; each
-    result: mode, world_size, losses and tokens_per_s per step, mean_tokens_per_s, model."""
+    result: mode, world_size, dtype, losses and tokens_per_s per step, mean_tokens_per_s,
+    parameters, and with keep_models the trained (wrapped) model."""
     if dist.get_rank() == 0:
         log(f"world size {dist.get_world_size()}, backend {dist.get_backend()}, device {device} ({args.dtype}), "
             f"global batch {args.global_batch} x {args.seq_len} tokens")
-    results = [train(args, mode, device, log) for mode in (MODES if args.mode == "both" else (args.mode,))]
+    results = []
+    for mode in MODES if args.mode == "both" else (args.mode,):
+        results.append(train(args, mode, device, log))
+        if not keep_models:
+            del results[-1]["model"]
+            gc.collect()  # the model before the next one: its memory, and its hold on the process group
     if args.log_json and dist.get_rank() == 0:
         with open(args.log_json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "model"} for r in results], f, indent=1)

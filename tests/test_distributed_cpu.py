@@ -89,7 +89,7 @@ def one_rank():
     torch.set_num_threads(1)  # as torchrun sets each rank (OMP_NUM_THREADS=1): no spinning threads on a busy CPU
     try:
         out = {}
-        for r in ex.run(args, torch.device("cpu"), log=lambda line: None):
+        for r in ex.run(args, torch.device("cpu"), log=lambda line: None, keep_models=True):
             weights = {k: full(v).detach().clone() for k, v in ex.unwrap(r.pop("model")).state_dict().items()}
             out[r["mode"]] = (r["losses"], weights)
         return out
