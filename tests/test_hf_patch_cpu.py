@@ -151,6 +151,20 @@ def test_state_dict_keys_shapes_values(family):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
+def test_rope_frequencies_from_the_config():
+    # model.to(bf16) rounds HF's inv_freq buffer to bf16; the patch takes the frequencies from the config
+    model = build("llama").to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    coda.patch(model)
+    qkv = model.model.layers[0].self_attn.qkv
+    assert torch.equal(qkv.freq, ops.rope_frequencies(16, 4, 2, model.config.rope_parameters["rope_theta"]))
+    scaled = build("llama", rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    plain = copy.deepcopy(scaled)
+    coda.patch(scaled)
+    ids = tokens(seq=64)
+    assert rel_err(scaled(ids).logits, plain(ids).logits) <= TOL
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_hf_state_dict_into_patched(family):
     # a checkpoint of the plain class (other weights) loads into a patched model as it is
@@ -389,6 +403,18 @@ def test_unsupported_calls_raise():
     with pytest.raises(NotImplementedError, match="2-D"):
         model(ids, attention_mask=torch.ones(2, 1, 16, 16))
     assert isinstance(model(ids, labels=ids, return_dict=False), tuple)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_without_cache(family):
+    # generate(use_cache=False) recomputes whole sequences, which a patched model does; with a cache it refuses
+    plain = build(family).eval()
+    model = coda.patch(copy.deepcopy(plain))
+    ids = tokens(1, 8)
+    greedy = dict(max_new_tokens=4, do_sample=False, use_cache=False)
+    assert torch.equal(model.generate(ids, **greedy), plain.generate(ids, **greedy))
+    with pytest.raises(NotImplementedError, match="unpatch"):
+        model.generate(ids, **(greedy | dict(use_cache=True)))
 
 
 def test_gpt2_residual_dropout():

@@ -117,10 +117,15 @@ def _load_hf_keys(module, state_dict, prefix, local_metadata, strict, missing_ke
 # ---- checks, before anything is changed
 
 def _rope(model) -> tuple:
-    """(inv_freq, theta) of the model's rotary embedding, where coda's RoPE computes the same."""
+    """(inv_freq or None, theta) of the model's rotary embedding, where coda's RoPE computes the same.
+
+    The frequencies come from the config, not from the model's inv_freq buffer, which
+    model.to(torch.bfloat16) rounds to bf16 (angles off by radians at a few thousand
+    positions): "default" RoPE as None (coda computes theta^(-2i/head_dim) in float64),
+    others (linear, llama3) from Hugging Face's own init function, in float32."""
     rotary = model.model.rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type in ("dynamic", "longrope") or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+    if rope_type in ("dynamic", "longrope", "yarn") or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
         raise NotImplementedError(f"coda.hf.patch: {type(model).__name__} uses RoPE type {rope_type!r}, whose "
                                   f"frequencies change with the sequence length or whose cos/sin are scaled; coda's "
                                   f"RoPE takes fixed frequencies (default, linear, llama3)")
@@ -128,7 +133,11 @@ def _rope(model) -> tuple:
     theta = getattr(config, "rope_theta", None)
     if theta is None:
         theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return rotary.inv_freq.detach().to("cpu", torch.float64), float(theta)
+    if rope_type == "default":
+        return None, float(theta)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.to(torch.float64), float(theta)
 
 
 def check(model) -> None:
@@ -164,7 +173,7 @@ def check(model) -> None:
 # ---- the patch
 
 @torch.no_grad()
-def _decoder_layer(layer, config, inv_freq: torch.Tensor, theta: float) -> DecoderLayer:
+def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float) -> DecoderLayer:
     """The DecoderLayer computing what `layer` (a HF decoder layer) computes, on its tensors."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
