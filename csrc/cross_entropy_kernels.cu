@@ -32,11 +32,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kVec = 8;  // 16-bit elements per 16-byte access
 
-template <class T>
-struct alignas(16) Vec {
-  T v[kVec];
-};
-
 // (max, Σ exp(z − max)) pairs combine exactly as log-sum-exps do.
 struct Lse {
   float m, s;
@@ -76,11 +71,11 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
         if (a.lse != nullptr) a.lse[r] = 0.f;
       }
       if (a.write_grad) {
-        Vec<T> zero;
+        Chunk<T, kVec> zero;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) zero.v[e] = from_float<T>(0.f);
         for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
-          *reinterpret_cast<Vec<T>*>(row + j) = zero;
+          *reinterpret_cast<Chunk<T, kVec>*>(row + j) = zero;
         }
         for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(0.f);
       }
@@ -90,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     Lse acc{-INFINITY, 0.f};
     float zsum = 0.f;
     for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
-      const Vec<T> v = *reinterpret_cast<const Vec<T>*>(row + j);
+      const Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
       float z[kVec], mx = -INFINITY;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
@@ -152,10 +147,10 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
         return scale * g;
       };
       for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
-        Vec<T> v = *reinterpret_cast<const Vec<T>*>(row + j);
+        Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
 #pragma unroll
         for (int e = 0; e < kVec; ++e) v.v[e] = from_float<T>(grad(to_float(v.v[e]), j + e));
-        *reinterpret_cast<Vec<T>*>(row + j) = v;
+        *reinterpret_cast<Chunk<T, kVec>*>(row + j) = v;
       }
       for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(grad(to_float(row[j]), j));
     }

@@ -28,13 +28,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// V consecutive 16-bit elements: one 16-byte access when V = 8, V separate
-// ones otherwise (the fallback assumes no alignment beyond the element's).
-template <class T, int V>
-struct alignas(V == 8 ? 16 : sizeof(T)) Chunk {
-  T v[V];
-};
-
 // V consecutive floats of a per-column vector (0 where it is null); 16-byte
 // loads when V = 8 (j is a multiple of 8, the vector 16-byte aligned).
 template <int V>

@@ -118,7 +118,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   if (reduction == kNone) needs = {false, false, false};
   needs[2] = needs[2] && bias.has_value();
   OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
-  Tensor valid = (target != ignore_index).sum().to(at::kFloat);
+  // The mean's divisor stays on the device: no sync for the count of rows not ignored.
+  Tensor valid = reduction == kMean ? (target != ignore_index).sum().to(at::kFloat) : Tensor();
   OptTensor scale = reduction == kMean ? OptTensor(valid.reciprocal()) : std::nullopt;
   Grads g = alloc_grads(x, w, b, needs);
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, scale,

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -66,28 +66,17 @@ def _ints(text: str) -> List[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def _sections(text: str) -> List[str]:
-    names = [v for v in text.split(",") if v]
-    unknown = [v for v in names if v not in SECTIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(SECTIONS)} (comma-separated), got {text!r}")
-    return names
+def _choices(options) -> Callable[[str], List[str]]:
+    """An argparse type: a comma-separated list of names from `options`."""
+    def parse(text: str) -> List[str]:
+        names = [v for v in text.split(",") if v]
+        if not names or any(v not in options for v in names):
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(options)} (comma-separated), got {text!r}")
+        return names
+    return parse
 
 
-def _models(text: str) -> List[str]:
-    names = [v for v in text.split(",") if v]
-    unknown = [v for v in names if v not in train.MODELS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(train.MODELS)} (comma-separated), got {text!r}")
-    return names
-
-
-def _impls(text: str) -> List[str]:
-    names = [v for v in text.split(",") if v]
-    unknown = [v for v in names if v not in train.IMPLS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"choose from {', '.join(train.IMPLS)} (comma-separated), got {text!r}")
-    return names
+_sections, _models, _impls = _choices(SECTIONS), _choices(train.MODELS), _choices(train.IMPLS)
 
 
 def gpu_here() -> Tuple[bool, str]:
