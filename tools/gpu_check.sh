@@ -29,6 +29,7 @@
 #   benchmarks/profile_kernel.py --list names them; PROFILE_CONFIGS adds candidates,
 #   PROFILE_RASTER sets their raster order, PROFILE_ARGS="--swizzles 4" adds variants),
 #   one report in profile.log.
+# TESTS="tests/test_gpu.py ..." runs those test files only (default: all of tests/).
 # TESTS_TIMEOUT, BENCH_TIMEOUT, SWEEP_TIMEOUT, SCRIPT_TIMEOUT, TUNED_TIMEOUT, PROFILE_TIMEOUT bound those steps (s).
 set -uo pipefail
 WHEELS=${1:?wheel folder}
@@ -71,7 +72,7 @@ grep -c "C7510" "$OUT/gpu.log" | sed 's/^/C7510 warnings: /'
 run_tests() {
   mkdir -p "$2"
   CODA_TEST_TUNING=${3:-} CODA_ERRORS_DIR="$2" timeout -k 10 "${4:-1800}" \
-    python3 -m pytest tests -q -rs > "$1" 2>&1 || status=1
+    python3 -m pytest ${TESTS:-tests} -q -rs > "$1" 2>&1 || status=1
   python3 - "$2" <<'EOF' || true
 import glob, json, os, sys
 paths = sorted(glob.glob(os.path.join(sys.argv[1], "*errors*.json")), key=os.path.getmtime)
