@@ -27,36 +27,35 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set before
 torch.distributed is imported (setdefault: a caller's own values stay), which keeps NCCL
 off NVLink SHARP / multicast, as on hosts that do not allow it.
 
-Pitfalls of a coda-patched model under these wrappers, and how this script meets them:
+Pitfalls of a coda-patched model under these wrappers, and how coda meets them:
   * FSDP2 hands a module its parameters unsharded only inside its own forward (between
-    its pre- and post-forward hooks); elsewhere they are sharded DTensors. The patched
-    LM head + loss (coda.nn.causal_lm_loss -> coda.ops.linear_cross_entropy) reads
-    lm_head.weight and the final norm's weight in the root's forward, not in lm_head's or
-    the norm's: they (and a tied embedding) must stay in the root's FSDP group. A
-    fully_shard(model.lm_head) of their own fails in the forward ("aten.mm.default got
-    mixed torch.Tensor and DTensor"; tied: "shared with a parameter already managed by
-    another FSDP group"). shard() below shards the decoder layers only, then the root.
+    its pre- and post-forward hooks); elsewhere they are sharded DTensors. A patched
+    model's lm_head is a coda.nn.LMHead (an nn.Linear, same parameters and keys) whose
+    forward takes the labels and computes the fused LM head + loss: the weight is read
+    inside lm_head's own forward, so fully_shard(model.lm_head) works as for a plain
+    model. shard() below gives it its own group where it is not tied to the embedding
+    (a tied weight belongs to one group: the root's, with the embedding).
   * The fused weights (qkv_weight: [q; k; v] with q/k rows pair-permuted; gate_up_weight:
     gate and up rows interleaved) are plain (N, D) Parameters: FSDP2 shards them on dim 0
     and reduce-scatters their gradients as it does an nn.Linear weight's, DDP all-reduces
     them like any other, and the all-gather hands the kernels the whole weight.
   * Their state_dict keys are Hugging Face's (q_proj.weight, gate_proj.weight,
-    input_layernorm.weight, ...), made by state_dict hooks, and name no attribute of the
-    module: get_model_state_dict (torch.distributed.checkpoint.state_dict), which resolves
-    every key to one, raises AttributeError. model.state_dict() is what it would return for
-    an FSDP2 or plain module (DTensors under FSDP2), so save_checkpoint passes that to
-    dcp.save, and load_checkpoint fills it by dcp.load and hands it to load_state_dict
-    (set_model_state_dict would do too). The hooks slice and permute the fused DTensor
-    along its sharded dim, which DTensor does by redistributing it: in the dict q/k/v_proj
-    are whole (Replicate) on every rank and gate/up_proj sharded on dim 1, not dim 0. The
-    checkpoint is thus in Hugging Face's keys and layouts (it loads into a plain
-    LlamaForCausalLM, or resumes under FSDP2), at the cost of that communication and of
-    every layer's q/k/v weights held whole on each rank while it is written.
-  * FSDP2's mixed precision casts a module's floating-point forward inputs to bf16 by default
-    (cast_forward_inputs=True): the float32 RMSNorm statistics a patched decoder layer hands
-    the next one would arrive in bf16, which coda's ops refuse ("stats must be a float32
-    tensor"). shard() passes cast_forward_inputs=False; the hidden states are bf16 anyway,
-    the embedding's weight being bf16.
+    input_layernorm.weight, ...), made by state_dict hooks, and each key is also an
+    attribute path (layer.self_attn.q_proj.weight, a read-only view of the fused weight),
+    as torch.distributed.checkpoint's get_model_state_dict / set_model_state_dict need:
+    checkpoints are written and read with those, as for a plain model. Under FSDP2 the
+    hooks slice and permute the fused DTensor along its sharded dim, which DTensor does
+    by redistributing it: in the dict q/k/v_proj are whole (Replicate) on every rank and
+    gate/up_proj sharded on dim 1, not dim 0. The checkpoint is thus in Hugging Face's
+    keys and layouts (it loads into a plain LlamaForCausalLM, or resumes under FSDP2), at
+    the cost of that communication and of every layer's q/k/v weights held whole on each
+    rank while it is written.
+  * FSDP2's mixed precision casts a module's floating-point forward inputs to bf16 by
+    default (cast_forward_inputs=True), the float32 RMSNorm statistics a patched decoder
+    layer hands the next one among them. A layer (and the LM head) given statistics that
+    are not float32 drops them and reduces its own: correct, one pass over h slower.
+    shard() passes cast_forward_inputs=False, which keeps them; the hidden states are
+    bf16 anyway, the embedding's weight being bf16.
   * A wrapped model holds its process group: main() collects it before destroying the
     group (see there).
 """
@@ -79,6 +78,7 @@ from typing import Dict, List, Optional, Sequence  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -105,6 +105,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in SIZES["cpu"]:
         p.add_argument("--" + name.replace("_", "-"), type=type(SIZES["cpu"][name]), default=None,
                        help="default: per device")
+    p.add_argument("--cast-forward-inputs", action="store_true",
+                   help="FSDP2 bf16: cast every forward input to bf16 (FSDP2's default; see the pitfalls above)")
     p.add_argument("--save", metavar="DIR", help="write a distributed checkpoint per mode, DIR/<mode>")
     p.add_argument("--log-json", metavar="FILE", help="rank 0 writes each mode's losses and tokens/s")
     args = p.parse_args(argv)
@@ -142,25 +144,27 @@ def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def shard(model: torch.nn.Module, bf16: bool = False) -> torch.nn.Module:
-    """FSDP2: one FSDP group per decoder layer, then the root's, which holds the embedding,
-    the final norm and lm_head. lm_head stays in the root's group: the fused LM head + loss
-    reads its weight in the root's forward (see the module docstring)."""
+def shard(model: torch.nn.Module, bf16: bool = False, cast_forward_inputs: bool = False) -> torch.nn.Module:
+    """FSDP2: one FSDP group per decoder layer, one for lm_head unless it is tied to the
+    embedding, then the root's (the embedding, the final norm, a tied lm_head)."""
     # bf16: the all-gathered weights in bf16, gradients reduced in fp32; forward inputs not
-    # cast (cast_forward_inputs=False): a patched decoder layer takes the float32 RMSNorm
-    # statistics of its input from the layer before, which coda's ops refuse in bf16.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False) \
-        if bf16 else MixedPrecisionPolicy()
+    # cast by default, which keeps the float32 RMSNorm statistics a patched decoder layer
+    # hands the next (cast, they are dropped and recomputed: see the module docstring).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                              cast_forward_inputs=cast_forward_inputs) if bf16 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp)
+    if model.lm_head.weight is not model.get_input_embeddings().weight:
+        fully_shard(model.lm_head, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 
-def wrap(model: torch.nn.Module, mode: str, device: torch.device, bf16: bool = False) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, mode: str, device: torch.device, bf16: bool = False,
+         cast_forward_inputs: bool = False) -> torch.nn.Module:
     if mode == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return shard(model, bf16)
+    return shard(model, bf16, cast_forward_inputs)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -217,7 +221,7 @@ def train(args: argparse.Namespace, mode: str, device: torch.device, log=print) 
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of the {world} ranks")
     bf16 = args.dtype == "bf16"
-    model = wrap(build_model(args, device), mode, device, bf16)
+    model = wrap(build_model(args, device), mode, device, bf16, args.cast_forward_inputs)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens_per_step = args.global_batch * args.seq_len
     losses, rates = [], []
@@ -251,18 +255,17 @@ def train(args: argparse.Namespace, mode: str, device: torch.device, log=print) 
 
 def save_checkpoint(model: torch.nn.Module, path: str) -> None:
     """The model's weights as a distributed checkpoint, in Hugging Face's keys and layouts,
-    every rank writing its shards. model.state_dict() rather than get_model_state_dict: the
-    module docstring says why."""
-    dcp.save(unwrap(model).state_dict(), checkpoint_id=path)
+    every rank writing its shards."""
+    dcp.save(get_model_state_dict(unwrap(model)), checkpoint_id=path)
 
 
 def load_checkpoint(model: torch.nn.Module, path: str) -> torch.nn.Module:
     """A checkpoint of save_checkpoint into `model`: a single-process one, patched by coda
     or not (then no process group is needed), or a wrapped one of any world size."""
     model = unwrap(model)
-    state = model.state_dict()
+    state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state)
+    set_model_state_dict(model, state)
     return model
 
 

@@ -9,7 +9,9 @@ tiny LlamaForCausalLM built from a config, coda.hf.patch'ed; float32).
     qkv_weight and interleaved gate_up_weight among them; under FSDP2 those gradients are
     DTensors sharded on dim 0 like the nn.Linear weights' (o_proj, down_proj, lm_head), each
     rank holding torch.chunk's rows of the 1-rank gradient; with tied embeddings too;
-  * a distributed checkpoint written under FSDP2 (after an optimizer step) loads into a
+  * get_model_state_dict resolves every key of a patched model (Hugging Face's, from the
+    fused weights) to an attribute, and a distributed checkpoint written with it under FSDP2
+    (lm_head in its own FSDP group; after an optimizer step) loads into a
     single-process model, patched by coda or a plain LlamaForCausalLM, and back into a 2-rank
     FSDP2 model, bit for bit; the example's own checkpoint loads into a plain model with the
     1-rank run's final weights;
@@ -203,9 +205,11 @@ def test_fsdp2_checkpoint_loads_into_one_process(worker_out, patched):
         assert torch.equal(got[k], v), k
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2_cast"])
 def test_bf16_mixed_precision_trains(one_rank, worker_out, mode):
-    """--dtype bf16, as on CUDA: the reference path in bf16, fp32 weights and reductions."""
+    """--dtype bf16, as on CUDA: the reference path in bf16, fp32 weights and reductions;
+    fsdp2_cast: FSDP2's default cast of every forward input, the float32 statistics a
+    decoder layer hands the next among them (dropped and recomputed)."""
     with open(worker_out / f"bf16_{mode}.json") as f:
         r = json.load(f)
     ref = one_rank["ddp"][0][:BF16_STEPS]
@@ -271,11 +275,12 @@ def _worker(out: str) -> None:
             del model
         # the CUDA recipe's mixed precision on the CPU: autocast (DDP), MixedPrecisionPolicy (FSDP2)
         args = ex.parse_args(ARGS + ["--dtype", "bf16", "--steps", str(BF16_STEPS)])
-        for mode in ("ddp", "fsdp2"):
+        for mode, cast in (("ddp", False), ("fsdp2", False), ("fsdp2", True)):
+            args.cast_forward_inputs = cast
             r = ex.train(args, mode, device, log=lambda line: None)
             del r["model"]
             if rank == 0:
-                with open(os.path.join(out, f"bf16_{mode}.json"), "w") as f:
+                with open(os.path.join(out, f"bf16_{mode}{'_cast' if cast else ''}.json"), "w") as f:
                     json.dump(r, f)
     finally:
         gc.collect()

@@ -315,6 +315,30 @@ def test_save_pretrained_round_trip(family, tmp_path):
     assert_state_close(loaded.state_dict(), model.state_dict(), 0.0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_keys_are_attribute_paths(family):
+    """Every key names an attribute holding its value (fused weights' parts as read-only
+    views), as torch.distributed.checkpoint's get/set_model_state_dict require; the LM head
+    is a coda.nn.LMHead, an nn.Linear on the same weight. (GPT-2's LinearConv1D keeps its
+    weight as nn.Linear does, (out, in): the attribute is the key's value transposed.)"""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    plain, model = pair(family)
+    assert isinstance(model.lm_head, coda.nn.LMHead) and isinstance(model.lm_head, torch.nn.Linear)
+    state = model.state_dict()
+    for key, value in state.items():
+        obj = owner = model
+        for name in key.split("."):
+            owner, obj = obj, getattr(obj, name)
+        if isinstance(owner, coda.hf.gpt2.LinearConv1D) and key.endswith(".weight"):
+            obj = obj.t()
+        assert torch.equal(obj, value), key
+    got = get_model_state_dict(model)
+    assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
+    other = coda.patch(build(family, seed=1))
+    set_model_state_dict(other, get_model_state_dict(plain))
+    assert_state_close(other.state_dict(), plain.state_dict(), 0.0)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_unpatch_restores_modules_with_trained_values(family):
     model = build(family)

@@ -78,3 +78,25 @@ def keep_last(h: torch.Tensor, logits_to_keep) -> torch.Tensor:
         return h
     index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     return h[:, index, :]
+
+
+def patch_lm_head(model) -> None:
+    """model.lm_head (an nn.Linear) -> coda.nn.LMHead on the same Parameters, whose forward
+    computes the loss: the weight is read inside lm_head's own forward, where FSDP2's
+    fully_shard(model.lm_head) hands it over unsharded."""
+    from ..nn import LMHead
+    old = model.lm_head
+    if not isinstance(old, LMHead):
+        new = LMHead.from_linear(old)
+        keep_original(new, old)
+        model.lm_head = new
+
+
+def unpatch_lm_head(model) -> None:
+    from ..nn import LMHead
+    new = model.lm_head
+    if isinstance(new, LMHead) and hasattr(new, _ORIGINAL):
+        old = original(new)
+        restore_parameters(old, new.state_dict(keep_vars=True))
+        old.train(new.training)
+        model.lm_head = old

@@ -7,7 +7,7 @@ Each block runs as
     h        = norm_mlp(h, ln_2, mlp.c_fc, gelu, mlp.c_proj, residual=h, stats=stats)
 
 and the final ln_f (in torch) feeds the tied LM head's cross-entropy
-(coda.nn.causal_lm_loss) without logits. norm_mlp returns no statistics, so each
+(coda.nn.LMHead, which calls coda.nn.causal_lm_loss) without logits. norm_mlp returns no statistics, so each
 block's ln_1 reduces its own (one light pass over h).
 
 Conv1D stores its weight (in, out); coda's ops, like nn.Linear, read (out, in). The
@@ -33,8 +33,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _activations, ops
-from ..nn import causal_lm_loss
-from ._common import keep_last, keep_original, keeps_all, original, refuse_unsupported, restore_parameters, return_as
+from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head, refuse_unsupported,
+                      restore_parameters, return_as, unpatch_lm_head)
 from .attention import attend, causal_mask
 
 _CONV1D = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
@@ -122,6 +122,7 @@ def patch(model):
             new = LinearConv1D.from_conv1d(conv)
             keep_original(new, conv)
             setattr(owner, child, new)
+    patch_lm_head(model)
     model.transformer.forward = types.MethodType(_model_forward, model.transformer)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -137,6 +138,7 @@ def unpatch(model):
                 conv = original(new)
                 restore_parameters(conv, new.state_dict(keep_vars=True))
                 setattr(owner, child, conv)
+    unpatch_lm_head(model)
     for m in (model.transformer, model):
         m.__dict__.pop("forward", None)
     return model
@@ -217,7 +219,6 @@ def _causal_lm_forward(self, input_ids=None, cache=None, attention_mask=None, to
     if not keeps_all(logits_to_keep):
         raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
                                   f"position)")
-    loss = causal_lm_loss(h, self.lm_head.weight, labels, bias=self.lm_head.bias,
-                          ignore_index=kwargs.get("ignore_index", -100),
-                          num_items_in_batch=kwargs.get("num_items_in_batch"))
+    loss = self.lm_head(h, labels, ignore_index=kwargs.get("ignore_index", -100),
+                        num_items_in_batch=kwargs.get("num_items_in_batch"))
     return return_as(CausalLMOutputWithCrossAttentions(loss=loss), return_dict, self.config)

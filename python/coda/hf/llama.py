@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
-from ..nn import RMSNormQKVRoPE, SwiGLUMLP, causal_lm_loss
-from ._common import (keep_last, keep_original, keeps_all, original, refuse_unsupported, restore_parameters,
-                      return_as)
+from ..nn import LMHead, RMSNormQKVRoPE, SwiGLUMLP
+from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head as _patch_lm_head,
+                      refuse_unsupported, restore_parameters, return_as, unpatch_lm_head as _unpatch_lm_head)
 from .attention import attend, causal_mask
 
 # coda's key prefix inside a DecoderLayer -> Hugging Face's
@@ -58,6 +58,12 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(h, positions, stats)
         a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0)
         return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
+
+    # Hugging Face's attribute paths of the state_dict keys (q_proj.weight, ...), for tools that
+    # resolve keys to attributes (torch.distributed.checkpoint's get_model_state_dict)
+    q_proj = property(lambda self: self.qkv.q_proj)
+    k_proj = property(lambda self: self.qkv.k_proj)
+    v_proj = property(lambda self: self.qkv.v_proj)
 
     def extra_repr(self) -> str:
         return f"scaling={self.scaling:.6g}, dropout={self.dropout}, sliding_window={self.sliding_window}"
@@ -84,8 +90,16 @@ class DecoderLayer(nn.Module):
         self.register_state_dict_post_hook(_save_hf_keys)
         self.register_load_state_dict_pre_hook(_load_hf_keys)
 
+    # the norms under Hugging Face's names, as the state_dict keys them (see SelfAttention.q_proj)
+    input_layernorm = property(lambda self: self.self_attn.qkv.norm)
+    post_attention_layernorm = property(lambda self: self.mlp.norm)
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, stats: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None):
+        if stats is not None and stats.dtype != torch.float32:
+            # a wrapper cast them (FSDP2's MixedPrecisionPolicy casts every floating-point forward
+            # input by default): rounded statistics would shift the norm, so this layer reduces its own
+            stats = None
         h, stats = self.self_attn(h, positions, stats, mask, self.mlp.norm.eps)
         return self.mlp(h, residual=h, stats=stats, return_stats=True)
 
@@ -212,6 +226,7 @@ def patch(model):
         new = _decoder_layer(layer, model.config, inv_freq, theta)
         keep_original(new, layer, shared=(layer.self_attn.o_proj, layer.mlp.down_proj))
         base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
+    _patch_lm_head(model)
     base.forward = types.MethodType(_model_forward, base)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -226,6 +241,7 @@ def unpatch(model):
             restore_parameters(old, layer.state_dict(keep_vars=True))
             old.train(layer.training)
             base.layers[i] = old
+    _unpatch_lm_head(model)
     for m in (base, model):
         m.__dict__.pop("forward", None)
     return model
@@ -278,8 +294,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if not keeps_all(logits_to_keep):
         raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
                                   f"position)")
-    loss = causal_lm_loss(h, self.lm_head.weight, labels, norm=(norm.weight, norm.variance_epsilon),
-                          bias=self.lm_head.bias, ignore_index=kwargs.get("ignore_index", -100),
-                          num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats)
+    loss = self.lm_head(h, labels, norm=(norm.weight, norm.variance_epsilon),
+                        ignore_index=kwargs.get("ignore_index", -100),
+                        num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats)
     return return_as(CausalLMOutputWithPast(loss=loss), return_dict, self.config)
 

@@ -4,14 +4,14 @@ from torch import nn
 
 from .glu_mlp import SwiGLUMLP
 from .linear import Linear
-from .lm_head import causal_lm_loss
+from .lm_head import LMHead, causal_lm_loss
 from .mlp import MLP
 from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear
 from .norm_mlp import LayerNormMLP
 from .rope import RMSNormQKVRoPE
 
 __all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormQKVRoPE",
-           "fold_weights", "unfold_weights", "causal_lm_loss"]
+           "LMHead", "fold_weights", "unfold_weights", "causal_lm_loss"]
 
 
 def fold_weights(model: nn.Module) -> nn.Module:

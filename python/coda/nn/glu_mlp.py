@@ -8,6 +8,7 @@ from torch import nn
 
 from .. import ops
 from ..ops import glu
+from ._parts import part_property
 from .norm_linear import make_norm
 
 
@@ -68,6 +69,10 @@ class SwiGLUMLP(nn.Module):
         self.reset_parameters()
         self.register_state_dict_post_hook(_save_gate_up)
         self.register_load_state_dict_pre_hook(_load_gate_up)
+
+    # the state_dict's gate_proj / up_proj as attributes (coda/nn/_parts.py)
+    gate_proj, up_proj = (part_property(p, i, lambda m, kind: glu.split_gate_up(m.gate_up_weight.detach())
+                                        if kind == "weight" else None) for i, p in enumerate(("gate_proj", "up_proj")))
 
     def reset_parameters(self) -> None:
         """gate_up_weight as nn.Linear initializes gate_proj and up_proj (the

@@ -1,9 +1,11 @@
-"""The causal-LM loss of a model's last hidden states, without its logits."""
+"""The causal-LM loss of a model's last hidden states, without its logits: a function and
+the LM head module that computes it in its own forward."""
 
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -72,3 +74,37 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+class LMHead(nn.Linear):
+    """A model's LM head (an nn.Linear: ``weight`` (V, D), optional ``bias``, the same
+    state_dict) whose forward also takes the labels and then returns the causal-LM loss
+    (causal_lm_loss) instead of the logits.
+
+    forward(hidden) -> logits, as nn.Linear; forward(hidden, labels, norm=..., stats=...,
+    **loss_args) -> the loss. The loss reads the weight inside this module's forward, which
+    is where wrappers that shard parameters (FSDP2's fully_shard(lm_head)) hand it over
+    whole. Statistics that are not float32 (a wrapper's mixed precision casts forward
+    inputs) are dropped, and the norm reduces its own.
+    """
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "LMHead":
+        """An LMHead holding `linear`'s Parameters (the same objects: ties stay tied)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                  dtype=linear.weight.dtype)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, hidden: Tensor, labels: Optional[Tensor] = None, *, norm: Norm = None,
+                stats: Optional[Tensor] = None, **loss_args) -> Tensor:
+        if labels is None:
+            if norm is not None or stats is not None or loss_args:
+                raise ValueError("coda.nn.LMHead: norm, stats and the loss's arguments need labels")
+            return F.linear(hidden, self.weight, self.bias)
+        if stats is not None and stats.dtype != torch.float32:
+            stats = None
+        return causal_lm_loss(hidden, self.weight, labels, norm=norm, bias=self.bias, stats=stats, **loss_args)

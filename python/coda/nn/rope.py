@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ._parts import part_property
 from .glu_mlp import exported, replace_key
 
 _PROJ = ("q_proj", "k_proj", "v_proj")
@@ -66,6 +67,13 @@ class RMSNormQKVRoPE(nn.Module):
         self.reset_parameters()
         self.register_state_dict_post_hook(_save_qkv)
         self.register_load_state_dict_pre_hook(_load_qkv)
+
+    # the state_dict's q_proj / k_proj / v_proj as attributes (coda/nn/_parts.py)
+    q_proj, k_proj, v_proj = (part_property(p, i, lambda m, kind: m._parts(kind)) for i, p in enumerate(_PROJ))
+
+    def _parts(self, kind: str):
+        t = getattr(self, "qkv_" + kind)
+        return None if t is None else self.unpermute(t.detach()).split(self.sizes)
 
     @property
     def freq(self) -> torch.Tensor:
