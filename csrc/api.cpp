@@ -558,4 +558,13 @@ Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream
   return kernels::cross_entropy(dtype, a, stream);
 }
 
+Status scale(DType dtype, void* x, int64_t n, const float* s, cudaStream_t stream) {
+  if (n < 0) return detail::fail(Status::kInvalidArgument, "scale: n must be >= 0");
+  if (n > 0 && (x == nullptr || s == nullptr)) {
+    return detail::fail(Status::kInvalidArgument, "scale: x and scale must not be null");
+  }
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::scale(dtype, x, n, s, stream);
+}
+
 }  // namespace coda

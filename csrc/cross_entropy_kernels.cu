@@ -169,7 +169,41 @@ Status launch(const CrossEntropyArgs& a, cudaStream_t stream) {
   return Status::kSuccess;
 }
 
+// x ← x·s in float, s read on the device (the upstream gradient: no sync), each
+// element rounded once; 16-byte accesses where x is aligned, the rest one by one.
+template <class T>
+__global__ void __launch_bounds__(kThreads) scale_kernel(T* x, int64_t n, const float* scale) {
+  const float s = *scale;
+  const int64_t stride = int64_t(gridDim.x) * kThreads, first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const int64_t full = aligned ? n / kVec : 0;
+  for (int64_t i = first; i < full; i += stride) {
+    Chunk<T, kVec> v = reinterpret_cast<const Chunk<T, kVec>*>(x)[i];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v.v[k] = from_float<T>(to_float(v.v[k]) * s);
+    reinterpret_cast<Chunk<T, kVec>*>(x)[i] = v;
+  }
+  for (int64_t i = full * kVec + first; i < n; i += stride) x[i] = from_float<T>(to_float(x[i]) * s);
+}
+
+template <class T>
+Status launch_scale(void* x, int64_t n, const float* scale, cudaStream_t stream) {
+  const int64_t blocks = (n / kVec + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 1 ? 1 : blocks < 65536 ? blocks : 65536);
+  scale_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<T*>(x), n, scale);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string("scale launch: ") + cudaGetErrorString(e));
+  return Status::kSuccess;
+}
+
 }  // namespace
+
+Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream) {
+  if (n == 0) return Status::kSuccess;
+  if (dtype == DType::kBFloat16) return launch_scale<__nv_bfloat16>(x, n, scale, stream);
+  if (dtype == DType::kFloat16) return launch_scale<__half>(x, n, scale, stream);
+  return detail::fail(Status::kInvalidArgument, "scale: dtype must be bfloat16 or float16");
+}
 
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
   if (a.m == 0) return Status::kSuccess;

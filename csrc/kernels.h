@@ -257,5 +257,7 @@ Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream
 
 // The body of the public coda::cross_entropy (csrc/cross_entropy_kernels.cu).
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream);
+// The body of the public coda::scale (csrc/cross_entropy_kernels.cu).
+Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream);
 
 }  // namespace coda::kernels

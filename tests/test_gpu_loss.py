@@ -41,10 +41,13 @@ def check(name, inputs, target, dl=None, tokens=None, **kw):
     names = ["x", "weight", "bias", "norm_weight"][:n_inputs]
 
     def call(impl):
+        # the reference has no chunks
+        kwargs = kw if impl is ops.linear_cross_entropy else {k: v for k, v in kw.items() if k != "chunk_tokens"}
+
         def fn(*ts):
             args = dict(zip(names, ts))
             return impl(args["x"], args["weight"], target, args.get("bias"), norm_weight=args.get("norm_weight"),
-                        **kw)
+                        **kwargs)
         return fn
 
     reduction = kw.get("reduction", "mean")
@@ -61,7 +64,12 @@ def check(name, inputs, target, dl=None, tokens=None, **kw):
     for nm, g, g64, gt in zip(names, grads, grads64, gradst):
         if g64 is not None:
             numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
-            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), numel=numel)
+            # dW sums over the chunks in bf16 (a float32 dW would break the memory bound), one rounding
+            # per chunk where torch's one GEMM rounds once: with reduction "none" the per-row upstream
+            # gradients of random sign make those partial sums cancel, and its error reaches 1.13x
+            # torch's (measured, 4 chunks); one chunk (chunk_tokens=m) gives torch's
+            slack = 1.25 if nm == "weight" and reduction == "none" and "chunk_tokens" not in kw else 1.1
+            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), slack=slack, numel=numel)
     return loss, grads
 
 

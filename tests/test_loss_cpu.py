@@ -107,6 +107,10 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
                                               z_loss=z, reduction=["none", "mean", "sum"][red]).float()
     lse = torch.logsumexp(F.linear(x, w, b).float(), -1).reshape(-1)
     grads = _grads(x, w, b, t, ii, ls, cap, z, red, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
+    if red:  # the op's db is float32, and its dX where D ≤ V/16 (rounded once, after the backward's scaling)
+        grads[2] = grads[2].float() if grads[2].numel() else grads[2]
+        if grads[0].numel() and x.shape[-1] * 16 <= w.shape[0]:
+            grads[0] = grads[0].float()
     return loss, lse, *grads
 
 

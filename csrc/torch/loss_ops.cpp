@@ -4,7 +4,8 @@
 // reused buffer, the cross-entropy kernel (csrc/cross_entropy_kernels.cu)
 // turns them into the loss and, in place, d loss / d logits, and two GEMMs
 // take that to dX (the chunk's rows, complete) and dW (accumulated over the
-// chunks). So the peak extra memory is one chunk of logits in x's dtype, and
+// chunks). So the peak extra memory is one chunk of logits in x's dtype (and
+// a float32 dX, below), and
 // the gradients are ready when the forward returns: with a mean or a sum the
 // backward only scales them by the upstream gradient. With reduction "none"
 // the upstream gradient differs per row and the forward cannot know it, so
@@ -12,7 +13,7 @@
 //
 // The trade-off is the chunk: dW is read and written once per chunk, so few
 // chunks cost memory (C·V·2 bytes) and many cost dW traffic (4·V·D bytes
-// each); benchmarks/README.md has the measurements behind the default.
+// each); the lm_head benchmark times chunks of 1024 and 4096 tokens beside the default.
 #include "autograd.h"
 #include "tensors.h"
 
@@ -27,18 +28,25 @@ struct CeParams {
   double label_smoothing, softcap, z_loss;
 };
 
-// Tokens per chunk: at most 1/8 of the fp32 logits (so 4 chunks at least)
-// and 512 MiB of logits per chunk.
-int64_t chunk_rows(int64_t m, int64_t n, int64_t requested) {
+// Tokens per chunk: one chunk of logits (rows padded to 8) and `reserve`
+// bytes (a float32 dX) within 1/8 of the fp32 logits, so 4 chunks at least,
+// and at most 512 MiB of logits per chunk; chunks of equal size.
+int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
-  const int64_t bytes = m * n * 2, cap = int64_t(512) << 20;
-  const int64_t chunks = std::max<int64_t>(4, (bytes + cap - 1) / cap);
-  return std::max<int64_t>(1, m / chunks);
+  const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
+  const int64_t budget = std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20);
+  const int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
+  const int64_t chunks = (m + rows - 1) / rows;
+  return std::max<int64_t>(1, std::min(rows, (m + chunks - 1) / chunks));
 }
 
 // The gradients one pass returns: (dx, dw, db), (0,) where not needed.
+// scaled_later: the forward's gradients of a mean or sum, which the backward
+// scales; db is then float32 (and dX where alloc_grads made it so), rounded
+// once after the scaling.
 struct Grads {
   Tensor dx, dw, db;
+  bool scaled_later = false;
 };
 
 // The chunk loop. row_grad (m,) or grad_scale (): the gradient's scales.
@@ -49,7 +57,8 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
   const int64_t m = x.size(0), n = w.size(0);
   const bool grad = needs[0] || needs[1] || needs[2];
   Tensor loss = f32({m}, x), lse = f32({m}, x);
-  const int64_t c = chunk_rows(m, n, chunk), ldp = (n + 7) / 8 * 8;
+  const int64_t reserve = needs[0] && g.dx.scalar_type() == at::kFloat ? g.dx.nbytes() : 0;
+  const int64_t c = chunk_rows(m, n, chunk, reserve), ldp = (n + 7) / 8 * 8;
   Tensor buffer = at::empty({std::min(c, m), ldp}, x.options());
   Tensor db32 = needs[2] ? at::zeros({n}, x.options().dtype(at::kFloat)) : Tensor();
   const Tensor wt = w.t();
@@ -77,7 +86,11 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
     if (needs[0]) {
       Tensor dxc = g.dx.narrow(0, s, len);
-      at::mm_out(dxc, z, w);
+      if (g.dx.scalar_type() != z.scalar_type()) {
+        at::mm_out(dxc, z, w, g.dx.scalar_type());
+      } else {
+        at::mm_out(dxc, z, w);
+      }
     }
     if (needs[1]) {
       if (s == 0) {
@@ -88,7 +101,7 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     }
     if (needs[2]) db32.add_(z.sum(0, false, at::kFloat));
   }
-  if (needs[2]) g.db = db32.to(x.scalar_type());
+  if (needs[2]) g.db = g.scaled_later ? db32 : db32.to(x.scalar_type());
   return {loss, lse};
 }
 
@@ -98,9 +111,14 @@ Tensor target_of(const Tensor& target, int64_t m) {
   return target.reshape({m}).to(at::kLong).contiguous();
 }
 
-Grads alloc_grads(const Tensor& x, const Tensor& w, const OptTensor& bias, std::array<bool, 3> needs) {
-  return {needs[0] ? at::empty_like(x) : none(x), needs[1] ? at::empty_like(w) : none(x),
-          needs[2] && bias ? Tensor() : none(x)};
+// scaled_later: dX in float32 where it takes at most half the memory bound
+// (D ≤ V/16), so that the backward's scaling rounds it once, as torch's path
+// rounds its dX once.
+Grads alloc_grads(const Tensor& x, const Tensor& w, const OptTensor& bias, std::array<bool, 3> needs,
+                  bool scaled_later = false) {
+  const bool dx_float = scaled_later && x.size(1) * 16 <= w.size(0);
+  return {needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
+          needs[1] ? at::empty_like(w) : none(x), needs[2] && bias ? Tensor() : none(x), scaled_later};
 }
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); dx, dw, db for
@@ -121,7 +139,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   // The mean's divisor stays on the device: no sync for the count of rows not ignored.
   Tensor valid = reduction == kMean ? (target != ignore_index).sum().to(at::kFloat) : Tensor();
   OptTensor scale = reduction == kMean ? OptTensor(valid.reciprocal()) : std::nullopt;
-  Grads g = alloc_grads(x, w, b, needs);
+  Grads g = alloc_grads(x, w, b, needs, /*scaled_later=*/true);
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, scale,
                                 std::nullopt, needs, g);
   Tensor out = reduction == kNone ? loss.view(target_.sizes())
@@ -173,6 +191,9 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       ctx->save_for_backward({dx, dw, db});
     }
     ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["dt_w"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["dt_b"] = static_cast<int64_t>(bias ? bias->scalar_type() : x.scalar_type());
     ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), true});
     ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);
@@ -196,14 +217,28 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       for (int i = 0; i < 3; ++i) out[i] = n[i] ? *g[i] : Tensor();
       return first_order("linear_cross_entropy", std::move(out));
     }
-    // The forward's gradients times the upstream scalar: in place in eager
-    // (nothing else holds them; no second dW-sized tensor), out of place
-    // while a compiler traces (its tensors are functional).
+    // The forward's gradients times the upstream scalar, in float32 (the scalar
+    // is not rounded to bf16 first): dX and db, kept in float32, are scaled
+    // and rounded once; dW in place in eager by coda::scale (nothing else
+    // holds it; no second dW-sized tensor, no sync), out of place while a
+    // compiler traces (its tensors are functional) or on the CPU.
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+    const Tensor s = dl.to(at::kFloat).contiguous();
+    const bool functional = s.key_set().has_any(traced);
+    const c10::ScalarType want[3] = {static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt()),
+                                     static_cast<c10::ScalarType>(ctx->saved_data["dt_w"].toInt()),
+                                     static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt())};
     for (int i = 0; i < 3; ++i) {
       if (!n[i] || v[i].numel() == 0) continue;
-      const Tensor s = dl.to(v[i].scalar_type());
-      out[i] = v[i].key_set().has_any(traced) || dl.key_set().has_any(traced) ? v[i] * s : v[i].mul_(s);
+      Tensor t = v[i];
+      if (t.scalar_type() == at::kFloat) {
+        out[i] = (functional || t.key_set().has_any(traced) ? t * s : t.mul_(s)).to(want[i]);
+      } else if (functional || t.key_set().has_any(traced) || !t.is_cuda()) {
+        out[i] = (t.to(at::kFloat) * s).to(want[i]);
+      } else {
+        check(coda::scale(dtype_of(t), t.data_ptr(), t.numel(), s.data_ptr<float>(), stream()), "scale");
+        out[i] = t;
+      }
     }
     return first_order("linear_cross_entropy", std::move(out));
   }

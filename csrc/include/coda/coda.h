@@ -333,6 +333,10 @@ Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, 
                         cudaStream_t stream);
 Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
 Status cross_entropy(DType dtype, const CrossEntropyArgs& args, cudaStream_t stream);
+// x[i] ← x[i]·(*scale) for i < n, computed in float and rounded once, the
+// scale read on the device: gradients a fused loss computed in its forward,
+// times the upstream gradient, with no host sync.
+Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream);
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& args);
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);

@@ -32,10 +32,13 @@ if _kernels.has_op("linear_cross_entropy_loss"):
         f32 = x.new_empty((), dtype=torch.float32)
         loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 else f32
         grad = reduction != 0
+        # db in float32, and dX where D ≤ V/16: the backward scales them and rounds once
+        dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] else x.dtype
         return (loss, x.new_empty(m, dtype=torch.float32),
-                x.new_empty(x.shape) if grad and needs[0] else x.new_empty(0),
+                x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
                 x.new_empty(weight.shape) if grad and needs[1] else x.new_empty(0),
-                x.new_empty(weight.shape[0]) if grad and needs[2] and bias is not None else x.new_empty(0))
+                x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
+                else x.new_empty(0))
 
     @torch.library.register_fake("coda::linear_cross_entropy_backward")
     def _(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
