@@ -192,7 +192,6 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     }
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["dt_w"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["dt_b"] = static_cast<int64_t>(bias ? bias->scalar_type() : x.scalar_type());
     ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), true});
     ctx->mark_non_differentiable({lse});
@@ -224,17 +223,17 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     // compiler traces (its tensors are functional) or on the CPU.
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
     const Tensor s = dl.to(at::kFloat).contiguous();
-    const bool functional = s.key_set().has_any(traced);
-    const c10::ScalarType want[3] = {static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt()),
-                                     static_cast<c10::ScalarType>(ctx->saved_data["dt_w"].toInt()),
-                                     static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt())};
+    // the dtypes of x and b, which the float32 dX and db are rounded to (dW keeps W's)
+    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt());
+    const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt());
     for (int i = 0; i < 3; ++i) {
       if (!n[i] || v[i].numel() == 0) continue;
       Tensor t = v[i];
+      const bool functional = s.key_set().has_any(traced) || t.key_set().has_any(traced);
       if (t.scalar_type() == at::kFloat) {
-        out[i] = (functional || t.key_set().has_any(traced) ? t * s : t.mul_(s)).to(want[i]);
-      } else if (functional || t.key_set().has_any(traced) || !t.is_cuda()) {
-        out[i] = (t.to(at::kFloat) * s).to(want[i]);
+        out[i] = (functional ? t * s : t.mul_(s)).to(i == 0 ? x_dtype : b_dtype);
+      } else if (functional || !t.is_cuda()) {
+        out[i] = (t.to(at::kFloat) * s).to(t.scalar_type());
       } else {
         check(coda::scale(dtype_of(t), t.data_ptr(), t.numel(), s.data_ptr<float>(), stream()), "scale");
         out[i] = t;

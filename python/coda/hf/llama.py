@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
-from ..nn import LMHead, RMSNormQKVRoPE, SwiGLUMLP
-from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head as _patch_lm_head,
-                      refuse_unsupported, restore_parameters, return_as, unpatch_lm_head as _unpatch_lm_head)
+from ..nn import RMSNormQKVRoPE, SwiGLUMLP
+from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head, refuse_unsupported,
+                      restore_parameters, return_as, unpatch_lm_head)
 from .attention import attend, causal_mask
 
 # coda's key prefix inside a DecoderLayer -> Hugging Face's
@@ -226,7 +226,7 @@ def patch(model):
         new = _decoder_layer(layer, model.config, inv_freq, theta)
         keep_original(new, layer, shared=(layer.self_attn.o_proj, layer.mlp.down_proj))
         base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
-    _patch_lm_head(model)
+    patch_lm_head(model)
     base.forward = types.MethodType(_model_forward, base)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -241,7 +241,7 @@ def unpatch(model):
             restore_parameters(old, layer.state_dict(keep_vars=True))
             old.train(layer.training)
             base.layers[i] = old
-    _unpatch_lm_head(model)
+    unpatch_lm_head(model)
     for m in (base, model):
         m.__dict__.pop("forward", None)
     return model

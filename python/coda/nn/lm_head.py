@@ -31,8 +31,8 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     norm: None (hidden is already normalized); an ``nn.RMSNorm`` or a pair
     ``(weight, eps)`` meaning RMSNorm (LLaMA's final norm), applied inside the op,
     where ``stats`` (float32 (B, S, 2) row statistics of hidden, as
-    coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) spares
-    its reduction; or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch
+    coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) may be
+    passed (the op takes them and, today, reduces its own); or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch
     first. softcap: tanh soft-capping of the logits (Gemma 2), or None.
 
     Returns the mean over the counted tokens; with ``num_items_in_batch`` (an int or
