@@ -542,8 +542,15 @@ Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype(dtype));
   if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "cross_entropy: m must be >= 0 and n positive");
-  if (a.logits == nullptr || a.target == nullptr || a.loss == nullptr) {
-    return detail::fail(Status::kInvalidArgument, "cross_entropy: logits, target and loss must not be null");
+  if (a.logits == nullptr || a.target == nullptr || (a.loss == nullptr && a.lse_in == nullptr)) {
+    return detail::fail(Status::kInvalidArgument, "cross_entropy: logits, target and loss (or lse_in) must not be null");
+  }
+  const int64_t vocab = a.vocab > 0 ? a.vocab : a.n;
+  if (a.lse_in == nullptr ? (a.col0 != 0 || vocab != a.n) : (!a.write_grad || a.col0 < 0 || a.col0 + a.n > vocab)) {
+    return detail::fail(Status::kInvalidArgument, "cross_entropy: a slice of the vocabulary (col0 " +
+                                                  std::to_string(a.col0) + ", n " + std::to_string(a.n) +
+                                                  ", vocab " + std::to_string(vocab) +
+                                                  ") needs lse_in and write_grad and must lie inside the vocabulary");
   }
   if (!aligned16(a.logits) || a.ld % 8 != 0 || a.ld < a.n) {
     return detail::fail(Status::kMisaligned, "cross_entropy: logits must be 16-byte aligned with a leading dimension "

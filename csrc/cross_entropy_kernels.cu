@@ -11,8 +11,10 @@
 //   lse  = log Σ_j exp(z'_j)                 (online max and sum, one read)
 //   loss = (1−ε)(lse − z'_t) + ε(lse − Σ_j z'_j / V) + z_loss·lse²
 //   dz_j = s_r·[p_j − (1−ε)·[j = t] − ε/V + 2·z_loss·lse·p_j]·(1 − tanh²)
-// with p = softmax(z') and s_r the row's scale (1/valid rows for a mean, the
-// upstream gradient, or both). Rows whose target is ignore_index get zero
+// with p = softmax(z') and s_r the row's scale (the upstream gradient, over the
+// valid rows for a mean). Given the rows' lse (lse_in), the row is a slice of
+// the vocabulary's columns and only dz is written: the backward's recomputation
+// goes by slices of the vocabulary. Rows whose target is ignore_index get zero
 // loss and zero gradient; a target outside [0, V) gets NaN in both, so that
 // a bad label never trains silently (torch raises a device assert there).
 #include <cuda_bf16.h>
@@ -52,6 +54,35 @@ __device__ inline Lse warp_lse(Lse v) {
 
 __device__ inline float capped(float z, float cap) { return cap > 0.f ? cap * tanhf(z / cap) : z; }
 
+// d loss / d z over the row's n columns in place, from its lse; tc the
+// target's column in the row (outside [0, n) when it lies in another slice).
+template <class T>
+__device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int64_t tc, bool bad, int64_t r,
+                               int64_t vocab) {
+  const int64_t n = a.n, full = n / kVec * kVec;
+  const float cap = a.softcap;
+  float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
+  if (bad) scale = NAN;
+  const float off = a.label_smoothing / float(vocab), hit = 1.f - a.label_smoothing, zl = 2.f * a.z_loss * lse;
+  auto grad = [&](float raw, int64_t j) {
+    const float z = capped(raw, cap);
+    const float p = __expf(z - lse);
+    float g = p * (1.f + zl) - off - (j == tc ? hit : 0.f);
+    if (cap > 0.f) {
+      const float th = z / cap;
+      g *= 1.f - th * th;
+    }
+    return scale * g;
+  };
+  for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
+    Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v.v[e] = from_float<T>(grad(to_float(v.v[e]), j + e));
+    *reinterpret_cast<Chunk<T, kVec>*>(row + j) = v;
+  }
+  for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(grad(to_float(row[j]), j));
+}
+
 // One block per row (the rows loop for grids past 2^31 − 1 blocks). Rows are
 // 16-byte aligned (ld a multiple of 8, base aligned: api.cpp checks), so the
 // first n/8·8 columns go in 16-byte accesses and the tail one by one.
@@ -66,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     T* row = static_cast<T*>(a.logits) + r * a.ld;
     const int64_t t = a.target[r];
     if (t == a.ignore_index) {
-      if (threadIdx.x == 0) {
+      if (threadIdx.x == 0 && a.loss != nullptr) {
         a.loss[r] = 0.f;
         if (a.lse != nullptr) a.lse[r] = 0.f;
       }
@@ -80,6 +111,12 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
         for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(0.f);
       }
       continue;
+    }
+    const int64_t vocab = a.vocab > 0 ? a.vocab : n, tc = t - a.col0;  // tc: the target's column here
+    const bool bad = t < 0 || t >= vocab;
+    if (a.lse_in != nullptr) {
+      write_grad_row(a, row, a.lse_in[r], tc, bad, r, vocab);
+      continue;  // nothing shared was written
     }
     // Pass 1: the row's log-sum-exp and Σ z'.
     Lse acc{-INFINITY, 0.f};
@@ -123,37 +160,15 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     }
     __syncthreads();
     const float lse = row_lse;
-    const bool bad = t < 0 || t >= n;
     if (threadIdx.x == 0) {
       const float zt = bad ? 0.f : capped(to_float(row[t]), cap);
       float loss = (1.f - eps) * (lse - zt) + eps * (lse - row_sum / float(n)) + a.z_loss * lse * lse;
       a.loss[r] = bad ? NAN : loss;
       if (a.lse != nullptr) a.lse[r] = lse;
     }
-    if (a.write_grad) {
-      // Pass 2: the gradient, in place. Every thread read its own elements
-      // in pass 1 only, and the block synchronized since.
-      float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
-      if (bad) scale = NAN;
-      const float off = eps / float(n), hit = 1.f - eps, zl = 2.f * a.z_loss * lse;
-      auto grad = [&](float raw, int64_t j) {
-        const float z = capped(raw, cap);
-        const float p = __expf(z - lse);
-        float g = p * (1.f + zl) - off - (j == t ? hit : 0.f);
-        if (cap > 0.f) {
-          const float th = z / cap;
-          g *= 1.f - th * th;
-        }
-        return scale * g;
-      };
-      for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
-        Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v.v[e] = from_float<T>(grad(to_float(v.v[e]), j + e));
-        *reinterpret_cast<Chunk<T, kVec>*>(row + j) = v;
-      }
-      for (int64_t j = full + threadIdx.x; j < n; j += kThreads) row[j] = from_float<T>(grad(to_float(row[j]), j));
-    }
+    // Pass 2: the gradient, in place. Every thread read its own elements in
+    // pass 1 only, and the block synchronized since.
+    if (a.write_grad) write_grad_row(a, row, lse, tc, bad, r, vocab);
     __syncthreads();  // the shared row values are rewritten by the next row
   }
 }

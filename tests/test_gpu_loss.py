@@ -35,6 +35,9 @@ def run(fn, inputs, dl):
     return loss.detach(), [None if t is None else t.grad for t in ins]
 
 
+ONLY_CODA = ("chunk_tokens", "chunk_vocab", "recompute")
+
+
 def check(name, inputs, target, dl=None, tokens=None, **kw):
     """coda against float64 and the torch bf16 path against float64, per output and gradient."""
     n_inputs = len(inputs)
@@ -42,7 +45,7 @@ def check(name, inputs, target, dl=None, tokens=None, **kw):
 
     def call(impl):
         # the reference has no chunks
-        kwargs = kw if impl is ops.linear_cross_entropy else {k: v for k, v in kw.items() if k != "chunk_tokens"}
+        kwargs = kw if impl is ops.linear_cross_entropy else {k: v for k, v in kw.items() if k not in ONLY_CODA}
 
         def fn(*ts):
             args = dict(zip(names, ts))
@@ -64,11 +67,11 @@ def check(name, inputs, target, dl=None, tokens=None, **kw):
     for nm, g, g64, gt in zip(names, grads, grads64, gradst):
         if g64 is not None:
             numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
-            # dW sums over the chunks in bf16 (a float32 dW would break the memory bound), one rounding
-            # per chunk where torch's one GEMM rounds once: with reduction "none" the per-row upstream
-            # gradients of random sign make those partial sums cancel, and its error reaches 1.13x
-            # torch's (measured, 4 chunks); one chunk (chunk_tokens=m) gives torch's
-            slack = 1.25 if nm == "weight" and reduction == "none" and "chunk_tokens" not in kw else 1.1
+            # recompute=False sums dW over >= 4 chunks in bf16 (a float32 dW would break the memory
+            # bound), one rounding per chunk and one for the upstream scale where torch's one GEMM
+            # rounds once: up to ~2x torch's error (emulated on the CPU: 1.9x where torch's own
+            # rounding was lucky), the documented price of its three GEMMs
+            slack = 2.0 if nm == "weight" and kw.get("recompute") is False else 1.1
             within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), slack=slack, numel=numel)
     return loss, grads
 
@@ -123,17 +126,39 @@ def test_bias_and_norm(seed):
 
 
 @pytest.mark.parametrize("chunk", [1, 100, 4096])
-def test_chunk_sizes(chunk, seed):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_chunk_sizes(chunk, recompute, seed):
     m, d, v = 1000, 512, 32000
     x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
-    check(f"lce chunk {chunk} seed={seed}", [x, w], targets(m, v, 0.1), chunk_tokens=chunk, tokens=m)
+    check(f"lce chunk {chunk} recompute={recompute} seed={seed}", [x, w], targets(m, v, 0.1), chunk_tokens=chunk,
+          recompute=recompute, tokens=m)
 
 
-def test_all_ignored_is_nan_with_zero_gradients():
+@pytest.mark.parametrize("cols", [1, 1000, 20000, 50000])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_vocab_slices(cols, reduction, seed):
+    """The recomputing backward's slices of the vocabulary: every target lands in one slice, the last one short."""
+    m, d, v = 700, 512, 32003
+    x, w, b = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), rand(v, dtype=BF16)
+    check(f"lce slices {cols} {reduction} seed={seed}", [x, w, b], targets(m, v, 0.1), chunk_vocab=cols,
+          reduction=reduction, label_smoothing=0.1, tokens=m)
+
+
+@pytest.mark.parametrize("m,d,v", [(1000, 1024, 32000), (777, 512, 50257), (4096, 1024, 32001)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_in_the_forward(m, d, v, reduction, seed):
+    """recompute=False: the forward's gradients, scaled by the backward."""
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
+    check(f"lce forward grads {m}x{d}x{v} {reduction} seed={seed}", [x, w], targets(m, v, 0.1),
+          reduction=reduction, recompute=False, tokens=m)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_all_ignored_is_nan_with_zero_gradients(recompute):
     x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
     t = torch.full((64,), -100, device="cuda")
     xl, wl = leaves(x, w)
-    loss = ops.linear_cross_entropy(xl, wl, t)
+    loss = ops.linear_cross_entropy(xl, wl, t, recompute=recompute)
     ref = F.cross_entropy(F.linear(x, w).float(), t)
     assert torch.isnan(loss) and torch.isnan(ref)
     loss.backward()
@@ -160,16 +185,17 @@ def test_tied_embedding(seed):
                        numel=m * d)
 
 
-def test_peak_memory_is_an_eighth_of_the_fp32_logits():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_peak_memory_is_an_eighth_of_the_fp32_logits(recompute):
     m, d, v = 8192, 1024, 32000
     x, w, t = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v)
     xl, wl = leaves(x, w)
-    ops.linear_cross_entropy(xl, wl, t).backward()  # cuBLAS's workspace, kept after, is not the op's
+    ops.linear_cross_entropy(xl, wl, t, recompute=recompute).backward()  # cuBLAS's workspace, kept after
     xl.grad, wl.grad = None, None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    ops.linear_cross_entropy(xl, wl, t).backward()
+    ops.linear_cross_entropy(xl, wl, t, recompute=recompute).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - x.nbytes - w.nbytes  # beyond the two gradients
     assert extra <= m * v * 4 / 8 + (4 << 20), f"extra {extra / 2**20:.1f} MiB, bound {m * v * 4 / 8 / 2**20:.1f} MiB"
@@ -179,8 +205,13 @@ def test_op_check_and_compile(seed):
     x, w, t = rand(100, 256, dtype=BF16), rand(3001, 256, dtype=BF16, scale=256**-0.5), targets(100, 3001, 0.1)
     b = rand(3001, dtype=BF16)
     for red in (0, 1, 2):
-        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
-                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 32))
+        for recompute in (True, False):
+            torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
+                                  (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 32, recompute, 1000))
+    lse = torch.logsumexp(F.linear(x, w, b).float(), -1)
+    torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
+                          (torch.tensor(0.3, device="cuda"), x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 1000,
+                           [True, True, True]), test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
                           (x, w, b, t, -100, 0.0, 20.0, 0.0, 1, 0, [True, True, True]))
     xl, wl = leaves(x, w)

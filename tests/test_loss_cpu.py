@@ -85,19 +85,21 @@ def test_errors_name_the_argument():
         op(x, w, t, b[:3])
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
         op(x, w, t, chunk_tokens=0)
+    with pytest.raises(ValueError, match="chunk_vocab must be a positive int"):
+        op(x, w, t, chunk_vocab=-8)
 
 
 # ---- the kernel path's call, its fakes and its C++ autograd (a CPU stand-in for the op)
 
-def _grads(x, w, b, t, ii, ls, cap, z, red, grad_loss, needs):
+def _grads(x, w, b, t, ii, ls, cap, z, scale, needs):
     """The gradients in closed form (the stand-in runs below autograd):
-    d loss / d logits = softmax - (1 - ls)·onehot - ls/V on rows not ignored."""
+    d loss / d logits = softmax - (1 - ls)·onehot - ls/V on rows not ignored,
+    times scale: () or one per row."""
     assert not cap and not z, "the stand-in covers label smoothing only"
     logits = F.linear(x, w, b)
     valid = (t != ii).to(x.dtype)[:, None]
     onehot = F.one_hot(t.clamp_min(0), w.shape[0]).to(x.dtype)
-    g = (logits.softmax(-1) - (1 - ls) * onehot - ls / w.shape[0]) * valid
-    g = g * (grad_loss.reshape(-1, 1) if red == 0 else grad_loss / (valid.sum() if red == 1 else 1))
+    g = (logits.softmax(-1) - (1 - ls) * onehot - ls / w.shape[0]) * valid * scale.reshape(-1, 1)
     full = [g @ w, g.t() @ x, g.sum(0) if b is not None else None]
     return [f if n and f is not None else x.new_empty(0) for f, n in zip(full, needs)]
 
@@ -106,19 +108,20 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
     loss = ops.linear_cross_entropy_reference(x, w, t, b, ignore_index=ii, label_smoothing=ls, softcap=cap or None,
                                               z_loss=z, reduction=["none", "mean", "sum"][red]).float()
     lse = torch.logsumexp(F.linear(x, w, b).float(), -1).reshape(-1)
-    grads = _grads(x, w, b, t, ii, ls, cap, z, red, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
-    if red:  # the op's db is float32, and its dX where D ≤ V/16 (rounded once, after the backward's scaling)
+    # the gradients of the rows' sum (the backward scales them), db in float32, and dX where D ≤ V/16
+    grads = _grads(x, w, b, t, ii, ls, cap, z, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
+    if red:
         grads[2] = grads[2].float() if grads[2].numel() else grads[2]
         if grads[0].numel() and x.shape[-1] * 16 <= w.shape[0]:
             grads[0] = grads[0].float()
     return loss, lse, *grads
 
 
-def _lce_backward_cpu(grad_loss, x, w, b, t, ii, ls, cap, z, chunk, needs):
-    return tuple(_grads(x, w, b, t, ii, ls, cap, z, 0, grad_loss, needs))
+def _lce_backward_cpu(grad, x, w, b, t, lse, ii, ls, cap, z, chunk, needs):
+    return tuple(_grads(x, w, b, t, ii, ls, cap, z, grad, needs))
 
 
-def _lce_loss_cpu(x, w, b, t, ii, ls, cap, z, red, chunk):
+def _lce_loss_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, recompute, chunk_vocab):
     return _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, [False] * 3)[:2]
 
 
@@ -131,7 +134,8 @@ def stand_in(monkeypatch):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_path_autograd(stand_in, reduction, bias):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_kernel_path_autograd(stand_in, reduction, bias, recompute):
     x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
     b = b if bias else None
     dl = torch.randn(t.shape) if reduction == "none" else torch.tensor(1.3)
@@ -143,7 +147,8 @@ def test_kernel_path_autograd(stand_in, reduction, bias):
         return loss.detach(), [v.grad for v in ins if v is not None]
 
     def coda_fn(ins):
-        return ops.linear_cross_entropy(ins[0], ins[1], t, ins[2], reduction=reduction, label_smoothing=0.1)
+        return ops.linear_cross_entropy(ins[0], ins[1], t, ins[2], reduction=reduction, label_smoothing=0.1,
+                                        recompute=recompute)
 
     def ref_fn(ins):
         return ops.linear_cross_entropy_reference(ins[0], ins[1], t, ins[2], reduction=reduction,
@@ -163,8 +168,13 @@ def test_kernel_path_fakes(stand_in):
     x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
     for red in (0, 1, 2):
         torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
-                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 8), test_utils=("test_schema",
-                                                                                      "test_faketensor"))
+                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 8, True, 16),
+                              test_utils=("test_schema", "test_faketensor"))
         torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
                               (x, w, b, t, -100, 0.0, 0.0, 0.0, red, 8, [True, True, True]),
+                              test_utils=("test_schema", "test_faketensor"))
+    lse = torch.logsumexp(F.linear(x, w, b), -1)
+    for grad in (torch.tensor(0.3), torch.randn(t.shape)):
+        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
+                              (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16, [True, True, True]),
                               test_utils=("test_schema", "test_faketensor"))

@@ -1,19 +1,28 @@
 // The LM head + cross-entropy, with no (tokens, vocab) tensor in memory.
 //
-// Tokens go in chunks: per chunk the LM-head GEMM writes its logits into one
-// reused buffer, the cross-entropy kernel (csrc/cross_entropy_kernels.cu)
-// turns them into the loss and, in place, d loss / d logits, and two GEMMs
-// take that to dX (the chunk's rows, complete) and dW (accumulated over the
-// chunks). So the peak extra memory is one chunk of logits in x's dtype (and
-// a float32 dX, below), and
-// the gradients are ready when the forward returns: with a mean or a sum the
-// backward only scales them by the upstream gradient. With reduction "none"
-// the upstream gradient differs per row and the forward cannot know it, so
-// the backward recomputes the chunks instead (one more GEMM per chunk).
+// Two ways to the gradients, chosen per call (`recompute`):
 //
-// The trade-off is the chunk: dW is read and written once per chunk, so few
-// chunks cost memory (C·V·2 bytes) and many cost dW traffic (4·V·D bytes
-// each); the lm_head benchmark times chunks of 1024 and 4096 tokens beside the default.
+// recompute (the default): the forward runs the LM-head GEMM over chunks of
+// tokens into one reused buffer and the cross-entropy kernel
+// (csrc/cross_entropy_kernels.cu) reduces each row's log-sum-exp and loss;
+// nothing the size of W or X outlives it but the lse. The backward, where
+// the upstream gradient is known, recomputes the logits by slices of the
+// vocabulary (every token, a slice of W's rows), turns them into
+// d loss / d logits in place, and takes them to dW's rows of the slice (one
+// GEMM over all tokens) and to dX (summed over the slices in float32): each
+// gradient is rounded once, as torch's unfused path rounds it. Four GEMMs.
+//
+// in the forward (recompute false, mean and sum only): per chunk of tokens
+// the kernel writes d loss / d logits over the logits and two GEMMs take it
+// to dX (the chunk's rows, complete) and dW (summed over the chunks in W's
+// dtype, one rounding per chunk: ≥ 4 chunks under the memory bound, so
+// 1.2–1.9x the rounding error of torch's one GEMM); the backward only scales
+// them by the upstream gradient. Three GEMMs, and dW held from the forward
+// to the backward.
+//
+// Either way the peak extra memory is one buffer of logits in x's dtype and
+// a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits). The
+// lm_head benchmark times both.
 #include "autograd.h"
 #include "tensors.h"
 
@@ -40,22 +49,43 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   return std::max<int64_t>(1, std::min(rows, (m + chunks - 1) / chunks));
 }
 
-// The gradients one pass returns: (dx, dw, db), (0,) where not needed.
-// scaled_later: the forward's gradients of a mean or sum, which the backward
-// scales; db is then float32 (and dX where alloc_grads made it so), rounded
-// once after the scaling.
+// Classes per slice of the backward's recomputation, a multiple of 8 (the
+// buffer's rows stay 16-byte aligned): the same bound, with m rows per slice.
+int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  if (requested > 0) return std::min(padded, (requested + 7) / 8 * 8);
+  const int64_t budget = std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20);
+  const int64_t cols = std::max<int64_t>(8, std::min(padded / 4, budget / std::max<int64_t>(2 * m, 1)) / 8 * 8);
+  const int64_t slices = (n + cols - 1) / cols;
+  return std::min(cols, ((n + slices - 1) / slices + 7) / 8 * 8);
+}
+
+// The gradients the forward forms: (dx, dw, db), (0,) where not needed;
+// db in float32, and dX where it takes at most half the memory bound
+// (D ≤ V/16): the backward scales them and rounds once.
 struct Grads {
   Tensor dx, dw, db;
-  bool scaled_later = false;
 };
 
-// The chunk loop. row_grad (m,) or grad_scale (): the gradient's scales.
-// Returns the per-row losses (m,) and the log-sum-exps (m,).
+CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int64_t first_row, const CeParams& p) {
+  CrossEntropyArgs a;
+  a.m = z.size(0);
+  a.n = z.size(1);
+  a.logits = z.data_ptr();
+  a.ld = ld;
+  a.target = target.data_ptr<int64_t>() + first_row;
+  a.ignore_index = p.ignore_index;
+  a.label_smoothing = float(p.label_smoothing);
+  a.softcap = float(p.softcap);
+  a.z_loss = float(p.z_loss);
+  return a;
+}
+
+// The forward's chunks of tokens: the per-row losses (m,) and log-sum-exps
+// (m,), and where `needs`, the gradients of the rows' sum into g.
 std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const OptTensor& bias, const Tensor& target,
-                                     const CeParams& p, int64_t chunk, const OptTensor& grad_scale,
-                                     const OptTensor& row_grad, std::array<bool, 3> needs, Grads& g) {
+                                     const CeParams& p, int64_t chunk, std::array<bool, 3> needs, Grads& g) {
   const int64_t m = x.size(0), n = w.size(0);
-  const bool grad = needs[0] || needs[1] || needs[2];
   Tensor loss = f32({m}, x), lse = f32({m}, x);
   const int64_t reserve = needs[0] && g.dx.scalar_type() == at::kFloat ? g.dx.nbytes() : 0;
   const int64_t c = chunk_rows(m, n, chunk, reserve), ldp = (n + 7) / 8 * 8;
@@ -70,17 +100,8 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     } else {
       at::mm_out(z, xc, wt);
     }
-    CrossEntropyArgs a;
-    a.m = len; a.n = n;
-    a.logits = z.data_ptr(); a.ld = ldp;
-    a.target = target.data_ptr<int64_t>() + s;
-    a.ignore_index = p.ignore_index;
-    a.label_smoothing = float(p.label_smoothing);
-    a.softcap = float(p.softcap);
-    a.z_loss = float(p.z_loss);
-    a.grad_scale = f32_ptr(grad_scale);
-    a.row_grad = row_grad ? row_grad->data_ptr<float>() + s : nullptr;
-    a.write_grad = grad;
+    CrossEntropyArgs a = ce_args(z, ldp, target, s, p);
+    a.write_grad = needs[0] || needs[1] || needs[2];
     a.loss = loss.data_ptr<float>() + s;
     a.lse = lse.data_ptr<float>() + s;
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
@@ -101,7 +122,7 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     }
     if (needs[2]) db32.add_(z.sum(0, false, at::kFloat));
   }
-  if (needs[2]) g.db = g.scaled_later ? db32 : db32.to(x.scalar_type());
+  if (needs[2]) g.db = db32;
   return {loss, lse};
 }
 
@@ -111,18 +132,13 @@ Tensor target_of(const Tensor& target, int64_t m) {
   return target.reshape({m}).to(at::kLong).contiguous();
 }
 
-// scaled_later: dX in float32 where it takes at most half the memory bound
-// (D ≤ V/16), so that the backward's scaling rounds it once, as torch's path
-// rounds its dX once.
-Grads alloc_grads(const Tensor& x, const Tensor& w, const OptTensor& bias, std::array<bool, 3> needs,
-                  bool scaled_later = false) {
-  const bool dx_float = scaled_later && x.size(1) * 16 <= w.size(0);
-  return {needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
-          needs[1] ? at::empty_like(w) : none(x), needs[2] && bias ? Tensor() : none(x), scaled_later};
-}
+bool dx_in_float(const Tensor& x, const Tensor& w) { return x.size(1) * 16 <= w.size(0); }
 
-// -> (loss: () for mean/sum, target's shape for none; lse (m,); dx, dw, db for
-// mean and sum where `needs`, scaled for an upstream gradient of 1).
+// -> (loss: () for mean/sum, target's shape for none; lse (m,); where
+// `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
+// the backward scales by the upstream gradient (over the valid rows for a
+// mean): d loss / d logits is rounded before that scale, and unscaled its
+// target entries (≈ −1) round almost exactly.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
@@ -136,61 +152,121 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   if (reduction == kNone) needs = {false, false, false};
   needs[2] = needs[2] && bias.has_value();
   OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
+  const bool dx_float = dx_in_float(x, w);
+  Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
+          needs[1] ? at::empty_like(w) : none(x), none(x)};
+  auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g);
   // The mean's divisor stays on the device: no sync for the count of rows not ignored.
-  Tensor valid = reduction == kMean ? (target != ignore_index).sum().to(at::kFloat) : Tensor();
-  OptTensor scale = reduction == kMean ? OptTensor(valid.reciprocal()) : std::nullopt;
-  Grads g = alloc_grads(x, w, b, needs, /*scaled_later=*/true);
-  auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, scale,
-                                std::nullopt, needs, g);
   Tensor out = reduction == kNone ? loss.view(target_.sizes())
                : reduction == kSum ? loss.sum()
-                                   : loss.sum() / valid;  // 0/0 = NaN when every row is ignored, as torch's mean
-  if (!g.db.defined()) g.db = none(x);
+                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);  // all ignored: NaN, as torch
   return {out, lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx, g.dw, g.db};
 }
 
-// Reduction "none": the gradients of Σ grad_loss ⊙ loss, by recomputing the chunks.
+// acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
+// torch has addmm's out_dtype form for them, else through a float32 product.
+void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
+  try {
+    at::addmm_out(acc, acc, a, b, at::kFloat);
+  } catch (const c10::Error&) {
+    acc.add_(at::mm(a, b, at::kFloat));
+  }
+}
+
+// The recomputing backward: grad () scales every row, or (target's shape)
+// each row (reduction none); lse (m,) from the forward.
 std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
-    const Tensor& grad_loss, const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_,
-    int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
+    const Tensor& grad, const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_,
+    const Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
-  const int64_t m = x.size(0);
-  Tensor target = target_of(target_, m);
+  const int64_t m = x.size(0), n = w.size(0);
+  expect(w.dim() == 2 && w.size(1) == x.size(1), "linear_cross_entropy_backward: weight must be (V, D) for x (..., D)");
+  expect(lse.numel() == m && lse.scalar_type() == at::kFloat,
+         "linear_cross_entropy_backward: lse must be float32 with one value per row of x");
+  Tensor target = target_of(target_, m), l = lse.reshape({m}).contiguous();
+  const bool per_row = grad.dim() > 0;
+  expect(!per_row || grad.numel() == m, "linear_cross_entropy_backward: grad must be a scalar or one per row");
+  Tensor gs = grad.to(at::kFloat).contiguous();
   needs[2] = needs[2] && bias.has_value();
-  OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
-  Tensor rg = grad_loss.reshape({m}).to(at::kFloat).contiguous();
-  Grads g = alloc_grads(x, w, b, needs);
-  run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, std::nullopt, rg, needs, g);
-  if (!g.db.defined()) g.db = none(x);
-  return {needs[0] ? g.dx.view(x_.sizes()) : g.dx, g.dw, g.db};
+  // dX sums over the slices: in float32 where that takes at most half the
+  // memory bound, else in x's dtype (one rounding per slice).
+  const bool dx_float = needs[0] && dx_in_float(x, w);
+  Tensor dx = needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x);
+  Tensor dw = needs[1] ? at::empty_like(w) : none(x);
+  Tensor db = needs[2] ? at::empty({n}, w.options().dtype(bias->scalar_type())) : none(x);
+  if (m == 0) {
+    if (needs[0]) dx.zero_();
+    if (needs[1]) dw.zero_();
+    if (needs[2]) db.zero_();
+  }
+  const int64_t cols = m == 0 ? n : slice_cols(m, n, chunk, dx_float ? dx.nbytes() : 0);
+  Tensor buffer = at::empty({m, cols}, x.options());
+  const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
+  for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
+    const int64_t len = std::min(cols, n - v0);
+    Tensor wv = w.narrow(0, v0, len), z = buffer.narrow(1, 0, len);
+    if (bias) {
+      at::addmm_out(z, bias->narrow(0, v0, len), x, wv.t());
+    } else {
+      at::mm_out(z, x, wv.t());
+    }
+    CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
+    a.write_grad = true;
+    a.lse_in = l.data_ptr<float>();
+    a.col0 = v0;
+    a.vocab = n;
+    (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
+    check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
+    if (needs[0]) {
+      if (v0 == 0) {
+        dx_float ? at::mm_out(dx, z, wv, at::kFloat) : at::mm_out(dx, z, wv);
+      } else if (dx_float) {
+        add_product_f32(dx, z, wv);
+      } else {
+        dx.addmm_(z, wv);
+      }
+    }
+    if (needs[1]) {
+      Tensor dwv = dw.narrow(0, v0, len);
+      at::mm_out(dwv, z.t(), x);
+    }
+    if (needs[2]) db.narrow(0, v0, len).copy_(z.sum(0, false, at::kFloat));
+  }
+  if (dx_float) dx = dx.to(x.scalar_type());
+  return {needs[0] ? dx.view(x_.sizes()) : dx, dw, db};
 }
 
 CODA_OP_HANDLE(linear_cross_entropy)
 CODA_OP_HANDLE(linear_cross_entropy_backward)
 
-// Mean and sum save the gradients the forward computed; none saves x, W, b
-// and the targets to recompute them.
+// recompute (or reduction none) saves x, W, b, the targets and the lse for
+// the recomputing backward; otherwise the gradients the forward formed.
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                const Tensor& target, int64_t ignore_index, double label_smoothing, double softcap,
-                               double z_loss, int64_t reduction, int64_t chunk) {
+                               double z_loss, int64_t reduction, int64_t chunk, bool recompute, int64_t chunk_vocab) {
     at::AutoDispatchBelowADInplaceOrView below;
-    const std::array<bool, 3> needs{x.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
+    recompute = recompute || reduction == kNone;
+    const std::array<bool, 3> needs{!recompute && x.requires_grad(), !recompute && weight.requires_grad(),
+                                    !recompute && bias && bias->requires_grad()};
     auto [loss, lse, dx, dw, db] = linear_cross_entropy_op().call(
         x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
-    if (reduction == kNone) {
-      ctx->save_for_backward({x, weight, bias ? *bias : none(x), target});
+    // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
+    const Tensor count = reduction == kMean ? (target != ignore_index).sum().clamp_min(1).to(at::kFloat)
+                                            : none_f32(x);
+    if (recompute) {
+      ctx->save_for_backward({x, weight, bias ? *bias : none(x), target, lse, count});
       ctx->saved_data["ii"] = ignore_index;
       ctx->saved_data["ls"] = label_smoothing;
       ctx->saved_data["cap"] = softcap;
       ctx->saved_data["z"] = z_loss;
-      ctx->saved_data["chunk"] = chunk;
+      ctx->saved_data["chunk"] = chunk_vocab;
     } else {
-      ctx->save_for_backward({dx, dw, db});
+      ctx->save_for_backward({dx, dw, db, count});
     }
-    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["dt_b"] = static_cast<int64_t>(bias ? bias->scalar_type() : x.scalar_type());
     ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), true});
@@ -201,28 +277,28 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& dl = grads[0];
-    if (!dl.defined()) return variable_list(10);
+    if (!dl.defined()) return variable_list(12);
     at::AutoDispatchBelowADInplaceOrView below;
     const auto n = needs_by_arg<3>(ctx, ctx->saved_data["p"].toInt());
     auto v = ctx->get_saved_variables();
-    variable_list out(10);
-    if (ctx->saved_data["reduction"].toInt() == kNone) {
-      const OptTensor bias = opt_of(v[2]);
+    variable_list out(12);
+    const Tensor& count = v.back();
+    const Tensor s = count.numel() ? dl.to(at::kFloat) / count : dl.to(at::kFloat).contiguous();
+    if (ctx->saved_data["recompute"].toBool()) {
       auto [dx, dw, db] = linear_cross_entropy_backward_op().call(
-          dl, v[0], v[1], bias, v[3], ctx->saved_data["ii"].toInt(), ctx->saved_data["ls"].toDouble(),
+          s, v[0], v[1], opt_of(v[2]), v[3], v[4], ctx->saved_data["ii"].toInt(), ctx->saved_data["ls"].toDouble(),
           ctx->saved_data["cap"].toDouble(), ctx->saved_data["z"].toDouble(), ctx->saved_data["chunk"].toInt(),
           {n[0], n[1], n[2]});
       const Tensor* g[3] = {&dx, &dw, &db};
       for (int i = 0; i < 3; ++i) out[i] = n[i] ? *g[i] : Tensor();
       return first_order("linear_cross_entropy", std::move(out));
     }
-    // The forward's gradients times the upstream scalar, in float32 (the scalar
-    // is not rounded to bf16 first): dX and db, kept in float32, are scaled
-    // and rounded once; dW in place in eager by coda::scale (nothing else
-    // holds it; no second dW-sized tensor, no sync), out of place while a
-    // compiler traces (its tensors are functional) or on the CPU.
+    // The forward's gradients times the upstream scalar, in float32: dX and
+    // db, kept in float32, are scaled and rounded once; dW in place in eager
+    // by coda::scale (nothing else holds it; no second dW-sized tensor, no
+    // sync), out of place while a compiler traces (its tensors are
+    // functional) or on the CPU.
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
-    const Tensor s = dl.to(at::kFloat).contiguous();
     // the dtypes of x and b, which the float32 dX and db are rounded to (dW keeps W's)
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt());
     const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt());
@@ -246,7 +322,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
 std::tuple<Tensor, Tensor> linear_cross_entropy_autograd(const Tensor& x, const Tensor& weight,
                                                          const OptTensor& bias, const Tensor& target,
                                                          int64_t ignore_index, double label_smoothing, double softcap,
-                                                         double z_loss, int64_t reduction, int64_t chunk) {
+                                                         double z_loss, int64_t reduction, int64_t chunk,
+                                                         bool recompute, int64_t chunk_vocab) {
   if (!any_requires_grad({&x, &weight, opt(bias)})) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto o = linear_cross_entropy_op().call(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
@@ -254,7 +331,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_autograd(const Tensor& x, const 
     return {std::get<0>(o), std::get<1>(o)};
   }
   auto o = LinearCrossEntropyFn::apply(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
-                                       reduction, chunk);
+                                       reduction, chunk, recompute, chunk_vocab);
   return {o[0], o[1]};
 }
 
@@ -262,7 +339,8 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_autograd(const Tensor& x, const 
 std::tuple<Tensor, Tensor> linear_cross_entropy_loss(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                                      const Tensor& target, int64_t ignore_index,
                                                      double label_smoothing, double softcap, double z_loss,
-                                                     int64_t reduction, int64_t chunk) {
+                                                     int64_t reduction, int64_t chunk, bool recompute,
+                                                     int64_t chunk_vocab) {
   auto o = linear_cross_entropy(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
                                 chunk, {false, false, false});
   return {std::get<0>(o), std::get<1>(o)};
@@ -275,12 +353,14 @@ CODA_TORCH_OP(linear_cross_entropy,
               " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool[3] needs)"
               " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_backward,
-              "linear_cross_entropy_backward(Tensor grad_loss, Tensor x, Tensor weight, Tensor? bias, Tensor target,"
-              " int ignore_index, float label_smoothing, float softcap, float z_loss, int chunk, bool[3] needs)"
+              "linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor target,"
+              " Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, int chunk,"
+              " bool[3] needs)"
               " -> (Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_loss,
               "linear_cross_entropy_loss(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
-              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk) -> (Tensor, Tensor)")
+              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool recompute,"
+              " int chunk_vocab) -> (Tensor, Tensor)")
 
 CODA_AUTOGRAD(linear_cross_entropy_loss, linear_cross_entropy_autograd)
 

@@ -287,8 +287,11 @@ struct RopeBackwardArgs {
 // The cross-entropy rows of the fused LM head + loss (csrc/cross_entropy_kernels.cu):
 // per row of a chunk of logits, the loss and log-sum-exp, and, with
 // write_grad, d loss / d logits written over the logits (scaled by
-// *grad_scale and row_grad[r] where given). The LM-head GEMMs around it are
-// the caller's (torch's linear_cross_entropy op runs them chunk by chunk).
+// *grad_scale and row_grad[r] where given). Given lse_in (the rows'
+// log-sum-exps from an earlier pass), the logits may be a slice of the
+// vocabulary's columns [col0, col0 + n) of `vocab`, and only the gradient is
+// written. The LM-head GEMMs around it are the caller's (torch's
+// linear_cross_entropy op runs them chunk by chunk).
 struct CrossEntropyArgs {
   int64_t m = 0, n = 0;              // rows (tokens), vocabulary
   void* logits = nullptr;            // (m, n) in; the gradient out when write_grad
@@ -301,8 +304,11 @@ struct CrossEntropyArgs {
   const float* grad_scale = nullptr; // () scale of every row's gradient, or null (1)
   const float* row_grad = nullptr;   // (m) per-row scale, or null (1)
   bool write_grad = false;
-  float* loss = nullptr;             // (m) out
+  float* loss = nullptr;             // (m) out; may be null with lse_in
   float* lse = nullptr;              // (m) out, or null
+  const float* lse_in = nullptr;     // (m) in, or null: the gradient only (write_grad)
+  int64_t col0 = 0;                  // with lse_in: the slice's first class
+  int64_t vocab = 0;                 // with lse_in: the whole vocabulary (0: n)
 };
 
 // Each op runs on `stream`. `workspace` may be null: then the op allocates

@@ -2,8 +2,11 @@
 
 Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, at 8192 tokens x d 2048 and
 16384 x 4096, vocabulary 128,256 (LLaMA 3's), bf16. Impls:
-  coda          coda.ops.linear_cross_entropy (default chunks)
-  coda_c<N>     the same with N tokens per chunk: the memory / time trade-off
+  coda          coda.ops.linear_cross_entropy as it comes: the backward
+                recomputes the logits (four GEMMs, gradients rounded as torch's)
+  coda_fwd      recompute=False: the gradients formed in the forward's chunks
+                (three GEMMs, dW summed over the chunks in bf16)
+  coda_fwd_c<N> the same with N tokens per chunk: the memory / time trade-off
   cublas        the three GEMMs alone (logits, dX, dW): the floor
   eager         F.linear + F.cross_entropy
   compile       torch.compile of it
@@ -26,7 +29,7 @@ from .timing import Runner, why
 
 VOCAB = 128256
 POINTS = [(8192, 2048), (16384, 4096)]
-CHUNKS = (1024, 4096)
+CHUNKS = (4096,)
 
 
 def points(tokens, dims, gpu: bool):
@@ -79,9 +82,11 @@ def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device:
             z = x.detach() @ w.detach().t()
             return z @ w.detach(), z.t() @ x.detach()
 
-        impls = {"coda": step(lambda x, w, t: coda.ops.linear_cross_entropy(x, w, t))}
+        lce = coda.ops.linear_cross_entropy
+        impls = {"coda": step(lambda x, w, t: lce(x, w, t)),
+                 "coda_fwd": step(lambda x, w, t: lce(x, w, t, recompute=False))}
         for c in CHUNKS:
-            impls[f"coda_c{c}"] = step(lambda x, w, t, c=c: coda.ops.linear_cross_entropy(x, w, t, chunk_tokens=c))
+            impls[f"coda_fwd_c{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, recompute=False, chunk_tokens=c))
         impls.update({"cublas": cublas, "eager": step(eager), "compile": step(steps.compiled(eager))})
         if fn_liger is not None:
             impls["liger"] = step(fn_liger)

@@ -1,10 +1,12 @@
 """The LM head and its cross-entropy loss in one op, with no (tokens, vocab)
 logits tensor in memory (csrc/torch/loss_ops.cpp): the LM-head GEMM runs
-over chunks of tokens into one reused buffer, a kernel reduces each row's
-log-sum-exp and writes d loss / d logits over it, and two GEMMs take that to
-dX and dW. The gradients are done when the forward returns; the backward
-scales them. Extra memory: one chunk, at most 1/8 of the fp32 logits and
-512 MiB.
+over chunks of tokens into one reused buffer and a kernel reduces each row's
+log-sum-exp and loss. By default the backward recomputes the logits by
+slices of the vocabulary and takes d loss / d logits to dX and dW, each
+rounded once as torch's path rounds it (four GEMMs); recompute=False forms
+the gradients in the forward's chunks instead (three GEMMs, dW summed over
+the chunks in bf16). Extra memory: one buffer of logits, at most 1/8 of the
+fp32 logits and 512 MiB.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ if _kernels.has_op("linear_cross_entropy_loss"):
         f32 = x.new_empty((), dtype=torch.float32)
         loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 else f32
         grad = reduction != 0
-        # db in float32, and dX where D ≤ V/16: the backward scales them and rounds once
+        # the gradients of the rows' sum, db in float32, and dX where D ≤ V/16: the backward scales them and
+        # rounds once
         dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] else x.dtype
         return (loss, x.new_empty(m, dtype=torch.float32),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
@@ -41,13 +44,14 @@ if _kernels.has_op("linear_cross_entropy_loss"):
                 else x.new_empty(0))
 
     @torch.library.register_fake("coda::linear_cross_entropy_backward")
-    def _(grad_loss, x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
+    def _(grad, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
         return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),
                 x.new_empty(weight.shape) if needs[1] else x.new_empty(0),
-                x.new_empty(weight.shape[0]) if needs[2] and bias is not None else x.new_empty(0))
+                bias.new_empty(weight.shape[0]) if needs[2] and bias is not None else x.new_empty(0))
 
     @torch.library.register_fake("coda::linear_cross_entropy_loss")
-    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk):
+    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, recompute,
+          chunk_vocab):
         m = math.prod(x.shape[:-1])
         loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 \
             else x.new_empty((), dtype=torch.float32)
@@ -80,7 +84,8 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bi
     return loss.sum() / (t != ignore_index).sum()
 
 
-def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens):
+def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens,
+           chunk_vocab):
     _checks.x_input(x, op)
     _checks.weight("weight", weight, x.shape[-1], op, "x", x.shape)
     _checks.vector("bias", bias, weight.shape[0], op, " (the vocabulary: rows of weight)")
@@ -102,13 +107,16 @@ def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap
         raise ValueError(f"coda.{op}: z_loss must be a float >= 0, got {z_loss!r}")
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens <= 0):
         raise ValueError(f"coda.{op}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
+    if chunk_vocab is not None and (not isinstance(chunk_vocab, int) or chunk_vocab <= 0):
+        raise ValueError(f"coda.{op}: chunk_vocab must be a positive int or None, got {chunk_vocab!r}")
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: Optional[float] = None, z_loss: float = 0.0, norm_weight: Optional[Tensor] = None,
                          norm_eps: Optional[float] = None, stats: Optional[Tensor] = None,
-                         chunk_tokens: Optional[int] = None) -> Tensor:
+                         recompute: bool = True, chunk_tokens: Optional[int] = None,
+                         chunk_vocab: Optional[int] = None) -> Tensor:
     """cross_entropy(x·weightᵀ + bias, target) without the logits in memory.
 
     x: (..., D) the LM head's input; weight: (V, D), e.g. lm_head.weight or
@@ -121,12 +129,22 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     epsilon as nn.RMSNorm) applied to x first, the final norm every decoder
     puts before its LM head; stats is accepted for chaining (linear_residual's
     row statistics) and not needed: the norm is one pass over (tokens, D),
-    small beside the head. chunk_tokens: tokens per chunk (None: at most 1/8
-    of the fp32 logits and 512 MiB at once). Returns the loss in float32.
+    small beside the head.
+
+    recompute (default True): the backward recomputes the logits by slices of
+    the vocabulary, so every gradient is rounded once, as torch's unfused
+    path rounds it (four GEMMs). False: the forward forms the gradients of a
+    mean or sum chunk by chunk and the backward scales them (three GEMMs,
+    ~25% less time in the head; dW sums over the chunks in W's dtype, up to
+    ~2x torch's rounding error, and is held from the forward to the
+    backward). chunk_tokens: tokens per chunk of the forward; chunk_vocab:
+    classes per slice of the recomputing backward (None: at most 1/8 of the
+    fp32 logits and 512 MiB at once). Returns the loss in float32.
     Gradients flow to x, weight, bias and norm_weight.
     """
     op = "linear_cross_entropy"
-    _check(op, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens)
+    _check(op, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens,
+           chunk_vocab)
     x, weight, bias, norm_weight = autocast(x, weight, bias, norm_weight)
     for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight)):
         if t is not None:
@@ -144,4 +162,4 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         return linear_cross_entropy_reference(x, weight, target, bias, **kw)
     return torch.ops.coda.linear_cross_entropy_loss.default(
         x, weight, bias, target, int(ignore_index), float(label_smoothing), float(softcap or 0.0), float(z_loss),
-        REDUCTIONS[reduction], int(chunk_tokens or 0))[0]
+        REDUCTIONS[reduction], int(chunk_tokens or 0), bool(recompute), int(chunk_vocab or 0))[0]
