@@ -546,11 +546,15 @@ Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream
     return detail::fail(Status::kInvalidArgument, "cross_entropy: logits, target and loss (or lse_in) must not be null");
   }
   const int64_t vocab = a.vocab > 0 ? a.vocab : a.n;
-  if (a.lse_in == nullptr ? (a.col0 != 0 || vocab != a.n) : (!a.write_grad || a.col0 < 0 || a.col0 + a.n > vocab)) {
+  const bool sliced = a.lse_in != nullptr || a.partial != nullptr;
+  if (sliced ? (a.col0 < 0 || a.col0 + a.n > vocab || (a.lse_in != nullptr) == (a.partial != nullptr) ||
+                (a.lse_in != nullptr && !a.write_grad) || (a.partial != nullptr && a.write_grad))
+             : (a.col0 != 0 || vocab != a.n)) {
     return detail::fail(Status::kInvalidArgument, "cross_entropy: a slice of the vocabulary (col0 " +
                                                   std::to_string(a.col0) + ", n " + std::to_string(a.n) +
                                                   ", vocab " + std::to_string(vocab) +
-                                                  ") needs lse_in and write_grad and must lie inside the vocabulary");
+                                                  ") must lie inside it and take either partial (no write_grad) "
+                                                  "or lse_in (write_grad)");
   }
   if (!aligned16(a.logits) || a.ld % 8 != 0 || a.ld < a.n) {
     return detail::fail(Status::kMisaligned, "cross_entropy: logits must be 16-byte aligned with a leading dimension "

@@ -12,11 +12,16 @@
 //   loss = (1−ε)(lse − z'_t) + ε(lse − Σ_j z'_j / V) + z_loss·lse²
 //   dz_j = s_r·[p_j − (1−ε)·[j = t] − ε/V + 2·z_loss·lse·p_j]·(1 − tanh²)
 // with p = softmax(z') and s_r the row's scale (the upstream gradient, over the
-// valid rows for a mean). Given the rows' lse (lse_in), the row is a slice of
-// the vocabulary's columns and only dz is written: the backward's recomputation
-// goes by slices of the vocabulary. Rows whose target is ignore_index get zero
-// loss and zero gradient; a target outside [0, V) gets NaN in both, so that
-// a bad label never trains silently (torch raises a device assert there).
+// valid rows for a mean). A row may be a slice of the vocabulary's columns:
+// with `partial` the slice's (max, Σexp, z'_t, Σz') fold into the row's
+// running ones and the last slice writes the loss and lse; given the rows'
+// lse (lse_in), only dz is written. So a forward and a recomputing backward
+// can go by the same slices: the same GEMMs, bit for bit the same logits
+// (a logit recomputed by another GEMM may round to a neighbour, and at
+// |z| ~ 100 one bf16 step moves exp(z − lse) by e²). Rows whose target is
+// ignore_index get zero loss and zero gradient; a target outside [0, V) gets
+// NaN in both, so that a bad label never trains silently (torch raises a
+// device assert there).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -89,7 +94,7 @@ __device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int
 template <class T>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArgs a) {
   __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
-  __shared__ float row_lse, row_sum;
+  __shared__ float row_lse, row_max, row_exp, row_sum;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n = a.n, full = n / kVec * kVec;
   const float cap = a.softcap, eps = a.label_smoothing;
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     T* row = static_cast<T*>(a.logits) + r * a.ld;
     const int64_t t = a.target[r];
     if (t == a.ignore_index) {
-      if (threadIdx.x == 0 && a.loss != nullptr) {
+      if (threadIdx.x == 0 && a.loss != nullptr && (a.partial == nullptr || a.last)) {
         a.loss[r] = 0.f;
         if (a.lse != nullptr) a.lse[r] = 0.f;
       }
@@ -155,19 +160,36 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
       zs = warp_sum(zs);
       if (lane == 0) {
         row_lse = b.m + __logf(b.s);
+        row_max = b.m;
+        row_exp = b.s;
         row_sum = zs;
       }
     }
     __syncthreads();
     const float lse = row_lse;
     if (threadIdx.x == 0) {
-      const float zt = bad ? 0.f : capped(to_float(row[t]), cap);
-      float loss = (1.f - eps) * (lse - zt) + eps * (lse - row_sum / float(n)) + a.z_loss * lse * lse;
-      a.loss[r] = bad ? NAN : loss;
-      if (a.lse != nullptr) a.lse[r] = lse;
+      float zt = bad || tc < 0 || tc >= n ? 0.f : capped(to_float(row[tc]), cap), lse_all = lse, zsum_all = row_sum;
+      if (a.partial != nullptr) {  // fold this slice into the row's running statistics
+        float* st = a.partial + 4 * r;
+        Lse run{a.first ? -INFINITY : st[0], a.first ? 0.f : st[1]};
+        run = combine(run, {row_max, row_exp});
+        zt += a.first ? 0.f : st[2];
+        zsum_all += a.first ? 0.f : st[3];
+        st[0] = run.m;
+        st[1] = run.s;
+        st[2] = zt;
+        st[3] = zsum_all;
+        lse_all = run.m + __logf(run.s);
+      }
+      if (a.partial == nullptr || a.last) {
+        const float loss = (1.f - eps) * (lse_all - zt) + eps * (lse_all - zsum_all / float(vocab)) +
+                           a.z_loss * lse_all * lse_all;
+        a.loss[r] = bad ? NAN : loss;
+        if (a.lse != nullptr) a.lse[r] = lse_all;
+      }
     }
-    // Pass 2: the gradient, in place. Every thread read its own elements in
-    // pass 1 only, and the block synchronized since.
+    // Pass 2: the gradient, in place (a whole row). Every thread read its own
+    // elements in pass 1 only, and the block synchronized since.
     if (a.write_grad) write_grad_row(a, row, lse, tc, bad, r, vocab);
     __syncthreads();  // the shared row values are rewritten by the next row
   }

@@ -112,7 +112,7 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
     grads = _grads(x, w, b, t, ii, ls, cap, z, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
     if red:
         grads[2] = grads[2].float() if grads[2].numel() else grads[2]
-        if grads[0].numel() and x.shape[-1] * 16 <= w.shape[0]:
+        if grads[0].numel() and (x.shape[-1] * 16 <= w.shape[0] or 4 * x.numel() <= 64 << 20):
             grads[0] = grads[0].float()
     return loss, lse, *grads
 
@@ -125,11 +125,16 @@ def _lce_loss_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, recompute, chunk_vocab
     return _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, [False] * 3)[:2]
 
 
+def _lce_sliced_cpu(x, w, b, t, ii, ls, cap, z, red, chunk):
+    return _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, [False] * 3)[:2]
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     yield from cpu_stand_in(monkeypatch, {"linear_cross_entropy": _lce_cpu,
                                           "linear_cross_entropy_backward": _lce_backward_cpu,
-                                          "linear_cross_entropy_loss": _lce_loss_cpu})
+                                          "linear_cross_entropy_loss": _lce_loss_cpu,
+                                          "linear_cross_entropy_sliced": _lce_sliced_cpu})
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -174,6 +179,9 @@ def test_kernel_path_fakes(stand_in):
                               (x, w, b, t, -100, 0.0, 0.0, 0.0, red, 8, [True, True, True]),
                               test_utils=("test_schema", "test_faketensor"))
     lse = torch.logsumexp(F.linear(x, w, b), -1)
+    for red in (0, 1, 2):
+        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_sliced.default,
+                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 16), test_utils=("test_schema", "test_faketensor"))
     for grad in (torch.tensor(0.3), torch.randn(t.shape)):
         torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
                               (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16, [True, True, True]),

@@ -2,15 +2,16 @@
 //
 // Two ways to the gradients, chosen per call (`recompute`):
 //
-// recompute (the default): the forward runs the LM-head GEMM over chunks of
-// tokens into one reused buffer and the cross-entropy kernel
-// (csrc/cross_entropy_kernels.cu) reduces each row's log-sum-exp and loss;
-// nothing the size of W or X outlives it but the lse. The backward, where
-// the upstream gradient is known, recomputes the logits by slices of the
-// vocabulary (every token, a slice of W's rows), turns them into
-// d loss / d logits in place, and takes them to dW's rows of the slice (one
-// GEMM over all tokens) and to dX (summed over the slices in float32): each
-// gradient is rounded once, as torch's unfused path rounds it. Four GEMMs.
+// recompute (the default): the forward runs the LM-head GEMM by slices of
+// the vocabulary (every token, a slice of W's rows) into one reused buffer
+// and the cross-entropy kernel (csrc/cross_entropy_kernels.cu) folds each
+// slice into the rows' running log-sum-exp and loss; nothing outlives it but
+// the lse. The backward, where the upstream gradient is known, recomputes
+// the same slices (the same GEMMs: bit for bit the forward's logits), turns
+// them into d loss / d logits in place, and takes them to dW's rows of the
+// slice (one GEMM over all tokens) and to dX (summed over the slices in
+// float32): each gradient is rounded once, as torch's unfused path rounds
+// it. Four GEMMs.
 //
 // in the forward (recompute false, mean and sum only): per chunk of tokens
 // the kernel writes d loss / d logits over the logits and two GEMMs take it
@@ -21,8 +22,9 @@
 // to the backward.
 //
 // Either way the peak extra memory is one buffer of logits in x's dtype and
-// a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits). The
-// lm_head benchmark times both.
+// a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
+// problems may take 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
+// times both.
 #include "autograd.h"
 #include "tensors.h"
 
@@ -38,24 +40,28 @@ struct CeParams {
 };
 
 // Tokens per chunk: one chunk of logits (rows padded to 8) and `reserve`
-// bytes (a float32 dX) within 1/8 of the fp32 logits, so 4 chunks at least,
-// and at most 512 MiB of logits per chunk; chunks of equal size.
+// bytes (a float32 dX) within 1/8 of the fp32 logits (at least 16 MiB), so
+// 4 chunks at least, and at most 512 MiB of logits per chunk; chunks of
+// equal size.
 int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
   const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
-  const int64_t budget = std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20);
+  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2, int64_t(512) << 20) - reserve, 16 << 20);
   const int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
   const int64_t chunks = (m + rows - 1) / rows;
   return std::max<int64_t>(1, std::min(rows, (m + chunks - 1) / chunks));
 }
 
-// Classes per slice of the backward's recomputation, a multiple of 8 (the
-// buffer's rows stay 16-byte aligned): the same bound, with m rows per slice.
+// Classes per slice of the recomputing path, a multiple of 8 (the buffer's
+// rows stay 16-byte aligned): the slice's logits for every token and
+// `reserve` bytes (a float32 dX) within 1/8 of the fp32 logits (at least
+// 16 MiB, so that small problems need not go by tiny slices), at most
+// 512 MiB of logits; slices of equal size.
 int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   const int64_t padded = (n + 7) / 8 * 8;
   if (requested > 0) return std::min(padded, (requested + 7) / 8 * 8);
-  const int64_t budget = std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20);
-  const int64_t cols = std::max<int64_t>(8, std::min(padded / 4, budget / std::max<int64_t>(2 * m, 1)) / 8 * 8);
+  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2, int64_t(512) << 20) - reserve, 16 << 20);
+  const int64_t cols = std::max<int64_t>(8, std::min(padded, budget / std::max<int64_t>(2 * m, 1)) / 8 * 8);
   const int64_t slices = (n + cols - 1) / cols;
   return std::min(cols, ((n + slices - 1) / slices + 7) / 8 * 8);
 }
@@ -132,7 +138,10 @@ Tensor target_of(const Tensor& target, int64_t m) {
   return target.reshape({m}).to(at::kLong).contiguous();
 }
 
-bool dx_in_float(const Tensor& x, const Tensor& w) { return x.size(1) * 16 <= w.size(0); }
+// dX in float32 where that takes at most half the memory bound (D ≤ V/16), or 64 MiB.
+bool dx_in_float(const Tensor& x, const Tensor& w) {
+  return x.size(1) * 16 <= w.size(0) || 4 * x.size(0) * x.size(1) <= (int64_t(64) << 20);
+}
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
 // `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
@@ -163,6 +172,53 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   return {out, lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx, g.dw, g.db};
 }
 
+// The recomputing path's slices: the float32 dX the backward sums into is
+// reserved whether or not dX is needed, so that the forward and the backward
+// cut the vocabulary alike.
+int64_t recompute_cols(const Tensor& x, const Tensor& w, int64_t chunk) {
+  const int64_t m = x.size(0);
+  return m == 0 ? std::max<int64_t>(w.size(0), 1) : slice_cols(m, w.size(0), chunk, dx_in_float(x, w) ? 4 * m * x.size(1) : 0);
+}
+
+// The recomputing path's forward: (loss, lse) by the backward's slices of the
+// vocabulary, each slice's logits folded into the rows' running statistics.
+std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const Tensor& weight, const OptTensor& bias,
+                                                       const Tensor& target_, int64_t ignore_index,
+                                                       double label_smoothing, double softcap, double z_loss,
+                                                       int64_t reduction, int64_t chunk) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
+  Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
+  expect(w.dim() == 2 && w.size(1) == x.size(1), "linear_cross_entropy: weight must be (V, D) for x (..., D)");
+  const int64_t m = x.size(0), n = w.size(0);
+  Tensor target = target_of(target_, m), loss = f32({m}, x), lse = f32({m}, x);
+  const int64_t cols = recompute_cols(x, w, chunk);
+  Tensor buffer = at::empty({m, cols}, x.options()), partial = f32({m, 4}, x);
+  const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
+  for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
+    const int64_t len = std::min(cols, n - v0);
+    Tensor wv = w.narrow(0, v0, len), z = buffer.narrow(1, 0, len);
+    if (bias) {
+      at::addmm_out(z, bias->narrow(0, v0, len), x, wv.t());
+    } else {
+      at::mm_out(z, x, wv.t());
+    }
+    CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
+    a.partial = partial.data_ptr<float>();
+    a.first = v0 == 0;
+    a.last = v0 + len == n;
+    a.col0 = v0;
+    a.vocab = n;
+    a.loss = loss.data_ptr<float>();
+    a.lse = lse.data_ptr<float>();
+    check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
+  }
+  Tensor out = reduction == kNone ? loss.view(target_.sizes())
+               : reduction == kSum ? loss.sum()
+                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);
+  return {out, lse};
+}
+
 // acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
 // torch has addmm's out_dtype form for them, else through a float32 product.
 void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
@@ -190,8 +246,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
   expect(!per_row || grad.numel() == m, "linear_cross_entropy_backward: grad must be a scalar or one per row");
   Tensor gs = grad.to(at::kFloat).contiguous();
   needs[2] = needs[2] && bias.has_value();
-  // dX sums over the slices: in float32 where that takes at most half the
-  // memory bound, else in x's dtype (one rounding per slice).
+  // dX sums over the slices in float32 where dx_in_float, else in x's dtype
+  // (one rounding per slice).
   const bool dx_float = needs[0] && dx_in_float(x, w);
   Tensor dx = needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x);
   Tensor dw = needs[1] ? at::empty_like(w) : none(x);
@@ -201,7 +257,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     if (needs[1]) dw.zero_();
     if (needs[2]) db.zero_();
   }
-  const int64_t cols = m == 0 ? n : slice_cols(m, n, chunk, dx_float ? dx.nbytes() : 0);
+  const int64_t cols = recompute_cols(x, w, chunk);
   Tensor buffer = at::empty({m, cols}, x.options());
   const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
   for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
@@ -239,6 +295,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
 }
 
 CODA_OP_HANDLE(linear_cross_entropy)
+CODA_OP_HANDLE(linear_cross_entropy_sliced)
 CODA_OP_HANDLE(linear_cross_entropy_backward)
 
 // recompute (or reduction none) saves x, W, b, the targets and the lse for
@@ -249,10 +306,16 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
                                double z_loss, int64_t reduction, int64_t chunk, bool recompute, int64_t chunk_vocab) {
     at::AutoDispatchBelowADInplaceOrView below;
     recompute = recompute || reduction == kNone;
-    const std::array<bool, 3> needs{!recompute && x.requires_grad(), !recompute && weight.requires_grad(),
-                                    !recompute && bias && bias->requires_grad()};
-    auto [loss, lse, dx, dw, db] = linear_cross_entropy_op().call(
-        x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
+    const std::array<bool, 3> needs{x.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
+    Tensor loss, lse, dx, dw, db;
+    if (recompute) {
+      std::tie(loss, lse) = linear_cross_entropy_sliced_op().call(x, weight, bias, target, ignore_index,
+                                                                  label_smoothing, softcap, z_loss, reduction,
+                                                                  chunk_vocab);
+    } else {
+      std::tie(loss, lse, dx, dw, db) = linear_cross_entropy_op().call(
+          x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
+    }
     // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
     const Tensor count = reduction == kMean ? (target != ignore_index).sum().clamp_min(1).to(at::kFloat)
                                             : none_f32(x);
@@ -352,6 +415,9 @@ CODA_TORCH_OP(linear_cross_entropy,
               "linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
               " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool[3] needs)"
               " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+CODA_TORCH_OP(linear_cross_entropy_sliced,
+              "linear_cross_entropy_sliced(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
+              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk) -> (Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_backward,
               "linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor target,"
               " Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, int chunk,"

@@ -287,11 +287,12 @@ struct RopeBackwardArgs {
 // The cross-entropy rows of the fused LM head + loss (csrc/cross_entropy_kernels.cu):
 // per row of a chunk of logits, the loss and log-sum-exp, and, with
 // write_grad, d loss / d logits written over the logits (scaled by
-// *grad_scale and row_grad[r] where given). Given lse_in (the rows'
-// log-sum-exps from an earlier pass), the logits may be a slice of the
-// vocabulary's columns [col0, col0 + n) of `vocab`, and only the gradient is
-// written. The LM-head GEMMs around it are the caller's (torch's
-// linear_cross_entropy op runs them chunk by chunk).
+// *grad_scale and row_grad[r] where given). The logits may be a slice of the
+// vocabulary's columns [col0, col0 + n) of `vocab`: with `partial` each call
+// folds its slice into per-row running statistics and the `last` writes the
+// loss and lse; with lse_in (the rows' log-sum-exps from such a pass) only
+// the gradient is written. The LM-head GEMMs around it are the caller's
+// (torch's linear_cross_entropy op runs them chunk by chunk).
 struct CrossEntropyArgs {
   int64_t m = 0, n = 0;              // rows (tokens), vocabulary
   void* logits = nullptr;            // (m, n) in; the gradient out when write_grad
@@ -307,8 +308,10 @@ struct CrossEntropyArgs {
   float* loss = nullptr;             // (m) out; may be null with lse_in
   float* lse = nullptr;              // (m) out, or null
   const float* lse_in = nullptr;     // (m) in, or null: the gradient only (write_grad)
-  int64_t col0 = 0;                  // with lse_in: the slice's first class
-  int64_t vocab = 0;                 // with lse_in: the whole vocabulary (0: n)
+  float* partial = nullptr;          // (m, 4) running max, Σexp, target logit, Σz: in and out, or null
+  bool first = false, last = false;  // with partial: the first slice starts the statistics, the last ends them
+  int64_t col0 = 0;                  // with lse_in or partial: the slice's first class
+  int64_t vocab = 0;                 // with lse_in or partial: the whole vocabulary (0: n)
 };
 
 // Each op runs on `stream`. `workspace` may be null: then the op allocates

@@ -1,12 +1,13 @@
 """The LM head and its cross-entropy loss in one op, with no (tokens, vocab)
-logits tensor in memory (csrc/torch/loss_ops.cpp): the LM-head GEMM runs
-over chunks of tokens into one reused buffer and a kernel reduces each row's
-log-sum-exp and loss. By default the backward recomputes the logits by
-slices of the vocabulary and takes d loss / d logits to dX and dW, each
-rounded once as torch's path rounds it (four GEMMs); recompute=False forms
-the gradients in the forward's chunks instead (three GEMMs, dW summed over
-the chunks in bf16). Extra memory: one buffer of logits, at most 1/8 of the
-fp32 logits and 512 MiB.
+logits tensor in memory (csrc/torch/loss_ops.cpp). By default the LM-head
+GEMM runs by slices of the vocabulary into one reused buffer and a kernel
+folds each slice into the rows' log-sum-exp and loss; the backward
+recomputes the same slices and takes d loss / d logits to dX and dW, each
+rounded once as torch's path rounds it (four GEMMs). recompute=False forms
+the gradients in the forward, by chunks of tokens (three GEMMs, dW summed
+over the chunks in bf16). Extra memory: one buffer of logits and a float32
+dX, at most 1/8 of the fp32 logits (small problems: 16 MiB of logits and a
+64 MiB dX).
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ if _kernels.has_op("linear_cross_entropy_loss"):
         grad = reduction != 0
         # the gradients of the rows' sum, db in float32, and dX where D ≤ V/16: the backward scales them and
         # rounds once
-        dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] else x.dtype
+        dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] or 4 * m * x.shape[-1] <= 64 << 20 \
+            else x.dtype
         return (loss, x.new_empty(m, dtype=torch.float32),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
                 x.new_empty(weight.shape) if grad and needs[1] else x.new_empty(0),
                 x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
                 else x.new_empty(0))
+
+    @torch.library.register_fake("coda::linear_cross_entropy_sliced")
+    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk):
+        m = math.prod(x.shape[:-1])
+        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 \
+            else x.new_empty((), dtype=torch.float32)
+        return loss, x.new_empty(m, dtype=torch.float32)
 
     @torch.library.register_fake("coda::linear_cross_entropy_backward")
     def _(grad, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
@@ -137,9 +146,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     mean or sum chunk by chunk and the backward scales them (three GEMMs,
     ~25% less time in the head; dW sums over the chunks in W's dtype, up to
     ~2x torch's rounding error, and is held from the forward to the
-    backward). chunk_tokens: tokens per chunk of the forward; chunk_vocab:
-    classes per slice of the recomputing backward (None: at most 1/8 of the
-    fp32 logits and 512 MiB at once). Returns the loss in float32.
+    backward). chunk_vocab: classes per slice (recompute); chunk_tokens:
+    tokens per chunk (recompute=False); None: at most 1/8 of the fp32 logits
+    and 512 MiB at once. Returns the loss in float32.
     Gradients flow to x, weight, bias and norm_weight.
     """
     op = "linear_cross_entropy"
