@@ -543,7 +543,8 @@ Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream
   CODA_RETURN_IF_ERROR(check_dtype(dtype));
   if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "cross_entropy: m must be >= 0 and n positive");
   if (a.logits == nullptr || a.target == nullptr || (a.loss == nullptr && a.lse_in == nullptr)) {
-    return detail::fail(Status::kInvalidArgument, "cross_entropy: logits, target and loss (or lse_in) must not be null");
+    return detail::fail(Status::kInvalidArgument,
+                        "cross_entropy: logits, target and loss (or lse_in) must not be null");
   }
   const int64_t vocab = a.vocab > 0 ? a.vocab : a.n;
   const bool sliced = a.lse_in != nullptr || a.partial != nullptr;

@@ -168,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   // The mean's divisor stays on the device: no sync for the count of rows not ignored.
   Tensor out = reduction == kNone ? loss.view(target_.sizes())
                : reduction == kSum ? loss.sum()
-                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);  // all ignored: NaN, as torch
+                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);  // all ignored: NaN
   return {out, lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx, g.dw, g.db};
 }
 
@@ -177,7 +177,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
 // cut the vocabulary alike.
 int64_t recompute_cols(const Tensor& x, const Tensor& w, int64_t chunk) {
   const int64_t m = x.size(0);
-  return m == 0 ? std::max<int64_t>(w.size(0), 1) : slice_cols(m, w.size(0), chunk, dx_in_float(x, w) ? 4 * m * x.size(1) : 0);
+  if (m == 0) return std::max<int64_t>(w.size(0), 1);
+  return slice_cols(m, w.size(0), chunk, dx_in_float(x, w) ? 4 * m * x.size(1) : 0);
+}
+
+// The logits of classes [v0, v0 + len) for every token, into the buffer's
+// first len columns: one call for the forward and the backward, so that
+// both run the same GEMM on the same operands.
+Tensor slice_logits(Tensor& buffer, const Tensor& x, const Tensor& w, const OptTensor& bias, int64_t v0, int64_t len) {
+  Tensor z = buffer.narrow(1, 0, len), wt = w.narrow(0, v0, len).t();
+  if (bias) {
+    at::addmm_out(z, bias->narrow(0, v0, len), x, wt);
+  } else {
+    at::mm_out(z, x, wt);
+  }
+  return z;
 }
 
 // The recomputing path's forward: (loss, lse) by the backward's slices of the
@@ -197,12 +211,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
   const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
   for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
     const int64_t len = std::min(cols, n - v0);
-    Tensor wv = w.narrow(0, v0, len), z = buffer.narrow(1, 0, len);
-    if (bias) {
-      at::addmm_out(z, bias->narrow(0, v0, len), x, wv.t());
-    } else {
-      at::mm_out(z, x, wv.t());
-    }
+    Tensor z = slice_logits(buffer, x, w, bias, v0, len);
     CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
     a.partial = partial.data_ptr<float>();
     a.first = v0 == 0;
@@ -262,12 +271,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
   const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
   for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
     const int64_t len = std::min(cols, n - v0);
-    Tensor wv = w.narrow(0, v0, len), z = buffer.narrow(1, 0, len);
-    if (bias) {
-      at::addmm_out(z, bias->narrow(0, v0, len), x, wv.t());
-    } else {
-      at::mm_out(z, x, wv.t());
-    }
+    Tensor z = slice_logits(buffer, x, w, bias, v0, len), wv = w.narrow(0, v0, len);
     CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
     a.write_grad = true;
     a.lse_in = l.data_ptr<float>();
