@@ -322,6 +322,8 @@ def test_state_dict_keys_are_attribute_paths(family):
     is a coda.nn.LMHead, an nn.Linear on the same weight. (GPT-2's LinearConv1D keeps its
     weight as nn.Linear does, (out, in): the attribute is the key's value transposed.)"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from coda.hf.gpt2 import LinearConv1D
     plain, model = pair(family)
     assert isinstance(model.lm_head, coda.nn.LMHead) and isinstance(model.lm_head, torch.nn.Linear)
     state = model.state_dict()
@@ -329,7 +331,7 @@ def test_state_dict_keys_are_attribute_paths(family):
         obj = owner = model
         for name in key.split("."):
             owner, obj = obj, getattr(obj, name)
-        if isinstance(owner, coda.hf.gpt2.LinearConv1D) and key.endswith(".weight"):
+        if isinstance(owner, LinearConv1D) and key.endswith(".weight"):
             obj = obj.t()
         assert torch.equal(obj, value), key
     got = get_model_state_dict(model)
@@ -484,3 +486,24 @@ def test_causal_lm_loss_matches_hf():
         coda.nn.causal_lm_loss(hidden, weight, labels, norm=ln, stats=stats)
     with pytest.raises(ValueError, match="labels"):
         coda.nn.causal_lm_loss(hidden, weight, labels[:, 1:])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lm_head_recompute_reaches_the_loss(family, monkeypatch):
+    """coda.patch(model, lm_head_recompute=False) (or model.lm_head.recompute) picks the
+    loss's three-GEMM backward; the default leaves the op's own (recompute)."""
+    seen = []
+
+    def spy(*args, recompute=True, **kw):
+        seen.append(recompute)
+        return lce_stand_in(*args, **kw)
+
+    monkeypatch.setattr(ops, "linear_cross_entropy", spy, raising=False)
+    model, ids = coda.patch(build(family)), tokens()
+    model(ids, labels=ids)
+    coda.patch(model, lm_head_recompute=False)
+    assert model.lm_head.recompute is False
+    model(ids, labels=ids)
+    model.lm_head.recompute = True
+    model(ids, labels=ids)
+    assert seen == [True, False, True]

@@ -16,7 +16,7 @@ Norm = Union[None, nn.Module, Tuple[Tensor, Optional[float]]]
 
 def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm = None,
                    bias: Optional[Tensor] = None, ignore_index: int = -100, num_items_in_batch=None,
-                   softcap: Optional[float] = None, stats: Optional[Tensor] = None) -> Tensor:
+                   softcap: Optional[float] = None, stats: Optional[Tensor] = None, recompute: bool = True) -> Tensor:
     """Next-token cross-entropy of Norm(hidden)·weightᵀ (+ bias) against labels, as
     Hugging Face's causal LMs compute it, through coda.ops.linear_cross_entropy: the
     (tokens, vocab) logits are never materialized.
@@ -33,7 +33,9 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     where ``stats`` (float32 (B, S, 2) row statistics of hidden, as
     coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) may be
     passed (the op takes them and, today, reduces its own); or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch
-    first. softcap: tanh soft-capping of the logits (Gemma 2), or None.
+    first. softcap: tanh soft-capping of the logits (Gemma 2), or None. recompute:
+    linear_cross_entropy's (True: gradients rounded as torch's, four GEMMs; False:
+    three GEMMs, dW summed over chunks in bf16).
 
     Returns the mean over the counted tokens; with ``num_items_in_batch`` (an int or
     a tensor: the counted tokens of the whole accumulated batch, as HF's Trainer
@@ -68,7 +70,8 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
                            "lacks")
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = loss_fn(hidden, weight, target.to(hidden.device), bias, ignore_index=ignore_index, reduction=reduction,
-                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats)
+                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats,
+                   **({} if recompute else {"recompute": False}))
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -85,8 +88,11 @@ class LMHead(nn.Linear):
     **loss_args) -> the loss. The loss reads the weight inside this module's forward, which
     is where wrappers that shard parameters (FSDP2's fully_shard(lm_head)) hand it over
     whole. Statistics that are not float32 (a wrapper's mixed precision casts forward
-    inputs) are dropped, and the norm reduces its own.
+    inputs) are dropped, and the norm reduces its own. ``recompute`` (an attribute,
+    default True) is the loss's (causal_lm_loss).
     """
+
+    recompute: bool = True
 
     @classmethod
     @torch.no_grad()
@@ -107,4 +113,5 @@ class LMHead(nn.Linear):
             return F.linear(hidden, self.weight, self.bias)
         if stats is not None and stats.dtype != torch.float32:
             stats = None
+        loss_args.setdefault("recompute", self.recompute)
         return causal_lm_loss(hidden, self.weight, labels, norm=norm, bias=self.bias, stats=stats, **loss_args)
