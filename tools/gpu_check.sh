@@ -14,6 +14,8 @@
 # BENCH_ARGS (e.g. "--only mlp,norm"; empty: the training comparison) go to coda.bench, CODA_CMAKE_ARGS to the build;
 # EXTRA_KERNELS="program:dtype:config;..." builds those beside the library's table
 # (-DCODA_EXTRA_KERNELS, in build/gpu-extra) for the sweep, the probe and the profile;
+# ONLY_KERNELS="kLinearAct:kBFloat16:kPingpong128x128" builds only those (build/gpu-only, ~1 min):
+# a quick check of work that needs no other CUTLASS kernel (the loss), with TESTS naming its tests;
 # SCRIPTS="variants.py --variant raster=2;max_autotune.py" runs those benchmarks/
 # scripts, each with --out OUT_DIR, after the benchmarks in every mode.
 # (no mode): tests, C++ example, coda.bench, then benchmarks/sweep.py (SWIZZLES,
@@ -57,6 +59,11 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 step "build"
 export CODA_BUILD_DIR="$ROOT/build/gpu"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+if [ -n "${ONLY_KERNELS:-}" ]; then
+  export CODA_BUILD_DIR="$ROOT/build/gpu-only"
+  export CODA_CMAKE_ARGS="-DCODA_ONLY_KERNELS=${ONLY_KERNELS}${CODA_CMAKE_ARGS:+ $CODA_CMAKE_ARGS}"
+  echo "only these kernels: $ONLY_KERNELS"
+fi
 if [ -n "${EXTRA_KERNELS:-}" ]; then
   export CODA_BUILD_DIR="$ROOT/build/gpu-extra"
   export CODA_CMAKE_ARGS="-DCODA_EXTRA_KERNELS=${EXTRA_KERNELS}${CODA_CMAKE_ARGS:+ $CODA_CMAKE_ARGS}"
