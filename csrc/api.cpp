@@ -546,6 +546,7 @@ Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream
     return detail::fail(Status::kInvalidArgument,
                         "cross_entropy: logits, target and loss (or lse_in) must not be null");
   }
+  if (a.vocab < 0) return detail::fail(Status::kInvalidArgument, "cross_entropy: vocab must be >= 0 (0: n)");
   const int64_t vocab = a.vocab > 0 ? a.vocab : a.n;
   const bool sliced = a.lse_in != nullptr || a.partial != nullptr;
   if (sliced ? (a.col0 < 0 || a.col0 + a.n > vocab || (a.lse_in != nullptr) == (a.partial != nullptr) ||

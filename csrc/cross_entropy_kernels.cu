@@ -123,6 +123,9 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
       write_grad_row(a, row, a.lse_in[r], tc, bad, r, vocab);
       continue;  // nothing shared was written
     }
+    // z'_t, read before any barrier: past the second one the row's other
+    // threads overwrite it with its gradient.
+    const float zt_here = threadIdx.x == 0 && !bad && tc >= 0 && tc < n ? capped(to_float(row[tc]), cap) : 0.f;
     // Pass 1: the row's log-sum-exp and Σ z'.
     Lse acc{-INFINITY, 0.f};
     float zsum = 0.f;
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     __syncthreads();
     const float lse = row_lse;
     if (threadIdx.x == 0) {
-      float zt = bad || tc < 0 || tc >= n ? 0.f : capped(to_float(row[tc]), cap), lse_all = lse, zsum_all = row_sum;
+      float zt = zt_here, lse_all = lse, zsum_all = row_sum;
       if (a.partial != nullptr) {  // fold this slice into the row's running statistics
         float* st = a.partial + 4 * r;
         Lse run{a.first ? -INFINITY : st[0], a.first ? 0.f : st[1]};

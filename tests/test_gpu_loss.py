@@ -154,6 +154,42 @@ def test_gradients_in_the_forward(m, d, v, reduction, seed):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
+def test_a_target_out_of_range_is_nan(recompute):
+    """A bad label never trains silently: its row's loss and gradients are NaN (torch asserts on the device)."""
+    x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
+    t = targets(64, 1000)
+    t[5] = 1000 + 7
+    xl, wl = leaves(x, w)
+    per_row = ops.linear_cross_entropy(x, w, t, reduction="none")
+    assert torch.isnan(per_row[5]) and torch.isfinite(per_row[torch.arange(64, device="cuda") != 5]).all()
+    loss = ops.linear_cross_entropy(xl, wl, t, reduction="sum", recompute=recompute)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.isnan(xl.grad[5]).all() and torch.isfinite(xl.grad[:5]).all()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp16_gradients_in_the_forward(reduction, seed):
+    """fp16's dW sums overflow past 65504: recompute=False divides a mean's gradients by the count first."""
+    m, d, v = 2048, 512, 8000
+    x, w = rand(m, d, dtype=torch.float16), rand(v, d, dtype=torch.float16, scale=d**-0.5)
+    t = torch.randint(0, 8, (m,), device="cuda")  # few classes: large dW rows
+    check(f"lce fp16 forward grads {reduction} seed={seed}", [x, w], t, reduction=reduction, recompute=False,
+          tokens=m)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_all_ignored_gradients_are_zero(reduction, recompute):
+    x, w, b = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5), rand(1000, dtype=BF16)
+    t = torch.full((64,), -100, device="cuda")
+    xl, wl, bl = leaves(x, w, b)
+    loss = ops.linear_cross_entropy(xl, wl, t, bl, reduction=reduction, recompute=recompute)
+    loss.sum().backward()
+    assert all(torch.all(g == 0) for g in (xl.grad, wl.grad, bl.grad))
+
+
+@pytest.mark.parametrize("recompute", [True, False])
 def test_all_ignored_is_nan_with_zero_gradients(recompute):
     x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
     t = torch.full((64,), -100, device="cuda")

@@ -87,6 +87,8 @@ def test_errors_name_the_argument():
         op(x, w, t, chunk_tokens=0)
     with pytest.raises(ValueError, match="chunk_vocab must be a positive int"):
         op(x, w, t, chunk_vocab=-8)
+    with pytest.raises(ValueError, match="weight has no rows"):
+        op(x, w[:0], t)
 
 
 # ---- the kernel path's call, its fakes and its C++ autograd (a CPU stand-in for the op)
@@ -186,3 +188,18 @@ def test_kernel_path_fakes(stand_in):
         torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
                               (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16, [True, True, True]),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_forward_gradients_allow_one_backward(stand_in):
+    """recompute=False scales the forward's gradients in place: a second backward would scale them twice."""
+    x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
+    xl = x.detach().requires_grad_(True)
+    loss = ops.linear_cross_entropy(xl, w, t, recompute=False)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs one backward"):
+        loss.backward()
+    xr = x.detach().requires_grad_(True)
+    loss = ops.linear_cross_entropy(xr, w, t)
+    loss.backward(retain_graph=True)
+    loss.backward()  # the recomputing backward runs again
+    torch.testing.assert_close(xr.grad, 2 * xl.grad)

@@ -46,7 +46,7 @@ struct CeParams {
 int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
   const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
-  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2, int64_t(512) << 20) - reserve, 16 << 20);
+  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
   const int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
   const int64_t chunks = (m + rows - 1) / rows;
   return std::max<int64_t>(1, std::min(rows, (m + chunks - 1) / chunks));
@@ -59,8 +59,8 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 // 512 MiB of logits; slices of equal size.
 int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   const int64_t padded = (n + 7) / 8 * 8;
-  if (requested > 0) return std::min(padded, (requested + 7) / 8 * 8);
-  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2, int64_t(512) << 20) - reserve, 16 << 20);
+  if (requested > 0) return (std::min(padded, requested) + 7) / 8 * 8;
+  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
   const int64_t cols = std::max<int64_t>(8, std::min(padded, budget / std::max<int64_t>(2 * m, 1)) / 8 * 8);
   const int64_t slices = (n + cols - 1) / cols;
   return std::min(cols, ((n + slices - 1) / slices + 7) / 8 * 8);
@@ -90,7 +90,8 @@ CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int6
 // The forward's chunks of tokens: the per-row losses (m,) and log-sum-exps
 // (m,), and where `needs`, the gradients of the rows' sum into g.
 std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const OptTensor& bias, const Tensor& target,
-                                     const CeParams& p, int64_t chunk, std::array<bool, 3> needs, Grads& g) {
+                                     const CeParams& p, int64_t chunk, std::array<bool, 3> needs, Grads& g,
+                                     const float* grad_scale) {
   const int64_t m = x.size(0), n = w.size(0);
   Tensor loss = f32({m}, x), lse = f32({m}, x);
   const int64_t reserve = needs[0] && g.dx.scalar_type() == at::kFloat ? g.dx.nbytes() : 0;
@@ -108,6 +109,7 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     }
     CrossEntropyArgs a = ce_args(z, ldp, target, s, p);
     a.write_grad = needs[0] || needs[1] || needs[2];
+    a.grad_scale = grad_scale;
     a.loss = loss.data_ptr<float>() + s;
     a.lse = lse.data_ptr<float>() + s;
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
@@ -139,6 +141,11 @@ Tensor target_of(const Tensor& target, int64_t m) {
 }
 
 // dX in float32 where that takes at most half the memory bound (D ≤ V/16), or 64 MiB.
+// The rows a mean divides by (at least 1: all ignored, the gradients stay 0), float32, on the device.
+Tensor count_of(const Tensor& target, int64_t ignore_index) {
+  return (target != ignore_index).sum().clamp_min(1).to(at::kFloat);
+}
+
 bool dx_in_float(const Tensor& x, const Tensor& w) {
   return x.size(1) * 16 <= w.size(0) || 4 * x.size(0) * x.size(1) <= (int64_t(64) << 20);
 }
@@ -147,7 +154,10 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
 // `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
 // mean): d loss / d logits is rounded before that scale, and unscaled its
-// target entries (≈ −1) round almost exactly.
+// target entries (≈ −1) round almost exactly. In fp16, whose dW sums would
+// overflow past 65504 unscaled, a mean's gradients come divided by the count.
+bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
@@ -155,7 +165,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   c10::cuda::CUDAGuard guard(x_.device());
   expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
-  expect(w.dim() == 2 && w.size(1) == x.size(1), "linear_cross_entropy: weight must be (V, D) for x (..., D)");
+  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
+         "linear_cross_entropy: weight must be (V, D), V > 0, for x (..., D)");
   const int64_t m = x.size(0);
   Tensor target = target_of(target_, m);
   if (reduction == kNone) needs = {false, false, false};
@@ -164,7 +175,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   const bool dx_float = dx_in_float(x, w);
   Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
           needs[1] ? at::empty_like(w) : none(x), none(x)};
-  auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g);
+  const bool grad = needs[0] || needs[1] || needs[2];
+  const Tensor inv = grad && prescaled(reduction, x) ? count_of(target, ignore_index).reciprocal() : Tensor();
+  auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
+                                inv.defined() ? inv.data_ptr<float>() : nullptr);
   // The mean's divisor stays on the device: no sync for the count of rows not ignored.
   Tensor out = reduction == kNone ? loss.view(target_.sizes())
                : reduction == kSum ? loss.sum()
@@ -203,7 +217,8 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
   c10::cuda::CUDAGuard guard(x_.device());
   expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
-  expect(w.dim() == 2 && w.size(1) == x.size(1), "linear_cross_entropy: weight must be (V, D) for x (..., D)");
+  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
+         "linear_cross_entropy: weight must be (V, D), V > 0, for x (..., D)");
   const int64_t m = x.size(0), n = w.size(0);
   Tensor target = target_of(target_, m), loss = f32({m}, x), lse = f32({m}, x);
   const int64_t cols = recompute_cols(x, w, chunk);
@@ -233,7 +248,9 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
 void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
   try {
     at::addmm_out(acc, acc, a, b, at::kFloat);
-  } catch (const c10::Error&) {
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error&) {  // this torch's addmm takes no float32 self beside 16-bit operands
     acc.add_(at::mm(a, b, at::kFloat));
   }
 }
@@ -247,7 +264,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
   c10::cuda::CUDAGuard guard(x_.device());
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
   const int64_t m = x.size(0), n = w.size(0);
-  expect(w.dim() == 2 && w.size(1) == x.size(1), "linear_cross_entropy_backward: weight must be (V, D) for x (..., D)");
+  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
+         "linear_cross_entropy_backward: weight must be (V, D), V > 0, for x (..., D)");
   expect(lse.numel() == m && lse.scalar_type() == at::kFloat,
          "linear_cross_entropy_backward: lse must be float32 with one value per row of x");
   Tensor target = target_of(target_, m), l = lse.reshape({m}).contiguous();
@@ -321,8 +339,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
           x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
     }
     // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
-    const Tensor count = reduction == kMean ? (target != ignore_index).sum().clamp_min(1).to(at::kFloat)
-                                            : none_f32(x);
+    const Tensor count = reduction == kMean && (recompute || !prescaled(reduction, x)) ? count_of(target, ignore_index)
+                                                                                      : none_f32(x);
     if (recompute) {
       ctx->save_for_backward({x, weight, bias ? *bias : none(x), target, lse, count});
       ctx->saved_data["ii"] = ignore_index;
@@ -365,6 +383,10 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     // by coda::scale (nothing else holds it; no second dW-sized tensor, no
     // sync), out of place while a compiler traces (its tensors are
     // functional) or on the CPU.
+    // they are scaled in place: a second backward (retain_graph) would scale them again
+    TORCH_CHECK(!ctx->saved_data.count("scaled"), "coda.linear_cross_entropy with recompute=False runs one backward "
+                "(its gradients were formed in the forward and scaled in place); use recompute=True for more");
+    ctx->saved_data["scaled"] = true;
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
     // the dtypes of x and b, which the float32 dX and db are rounded to (dW keeps W's)
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt());

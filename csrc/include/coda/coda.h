@@ -294,7 +294,7 @@ struct RopeBackwardArgs {
 // the gradient is written. The LM-head GEMMs around it are the caller's
 // (torch's linear_cross_entropy op runs them chunk by chunk).
 struct CrossEntropyArgs {
-  int64_t m = 0, n = 0;              // rows (tokens), vocabulary
+  int64_t m = 0, n = 0;              // rows (tokens), columns: the vocabulary or a slice of it
   void* logits = nullptr;            // (m, n) in; the gradient out when write_grad
   int64_t ld = 0;                    // a multiple of 8, logits 16-byte aligned
   const int64_t* target = nullptr;   // (m) class per row, or ignore_index

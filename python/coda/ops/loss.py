@@ -97,6 +97,8 @@ def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap
            chunk_vocab):
     _checks.x_input(x, op)
     _checks.weight("weight", weight, x.shape[-1], op, "x", x.shape)
+    if weight.shape[0] == 0:
+        raise ValueError(f"coda.{op}: weight has no rows (an empty vocabulary): expected (V, D) with V > 0")
     _checks.vector("bias", bias, weight.shape[0], op, " (the vocabulary: rows of weight)")
     _checks.vector("norm_weight", norm_weight, x.shape[-1], op, f" (the last dimension of x, {tuple(x.shape)})")
     if not isinstance(target, Tensor) or target.dtype not in (torch.int64, torch.int32) \
