@@ -94,7 +94,7 @@ __device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int
 template <class T>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArgs a) {
   __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
-  __shared__ float row_lse, row_max, row_exp, row_sum;
+  __shared__ float row_max, row_exp, row_sum;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n = a.n, full = n / kVec * kVec;
   const float cap = a.softcap, eps = a.label_smoothing;
@@ -162,14 +162,13 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
       b = warp_lse(b);
       zs = warp_sum(zs);
       if (lane == 0) {
-        row_lse = b.m + __logf(b.s);
         row_max = b.m;
         row_exp = b.s;
         row_sum = zs;
       }
     }
     __syncthreads();
-    const float lse = row_lse;
+    const float lse = row_max + __logf(row_exp);
     if (threadIdx.x == 0) {
       float zt = zt_here, lse_all = lse, zsum_all = row_sum;
       if (a.partial != nullptr) {  // fold this slice into the row's running statistics

@@ -28,8 +28,8 @@ VOCAB = 1000
 
 
 def lce_stand_in(x, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 softcap=None, z_loss=0.0, norm_weight=None, norm_eps=None, stats=None):
-    """coda.ops.linear_cross_entropy's contract, unfused."""
+                 softcap=None, z_loss=0.0, norm_weight=None, norm_eps=None, stats=None, recompute=True):
+    """coda.ops.linear_cross_entropy's contract, unfused (recompute changes only how the gradients are formed)."""
     assert z_loss == 0.0
     if norm_weight is not None:
         eps = torch.finfo(x.dtype).eps if norm_eps is None else norm_eps
@@ -496,7 +496,7 @@ def test_lm_head_recompute_reaches_the_loss(family, monkeypatch):
 
     def spy(*args, recompute=True, **kw):
         seen.append(recompute)
-        return lce_stand_in(*args, **kw)
+        return lce_stand_in(*args, recompute=recompute, **kw)
 
     monkeypatch.setattr(ops, "linear_cross_entropy", spy, raising=False)
     model, ids = coda.patch(build(family)), tokens()

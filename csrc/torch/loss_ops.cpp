@@ -140,24 +140,33 @@ Tensor target_of(const Tensor& target, int64_t m) {
   return target.reshape({m}).to(at::kLong).contiguous();
 }
 
-// dX in float32 where that takes at most half the memory bound (D ≤ V/16), or 64 MiB.
 // The rows a mean divides by (at least 1: all ignored, the gradients stay 0), float32, on the device.
 Tensor count_of(const Tensor& target, int64_t ignore_index) {
   return (target != ignore_index).sum().clamp_min(1).to(at::kFloat);
 }
 
+// The loss the op returns from the per-row losses; a mean's divisor stays on
+// the device (no sync), and every row ignored gives 0/0 = NaN, as torch's mean.
+Tensor reduced(const Tensor& loss, const Tensor& target, const Tensor& target_, int64_t ignore_index,
+               int64_t reduction) {
+  if (reduction == kNone) return loss.view(target_.sizes());
+  return reduction == kSum ? loss.sum() : loss.sum() / (target != ignore_index).sum().to(at::kFloat);
+}
+
+// dX in float32 where that takes at most half the memory bound (D ≤ V/16), or 64 MiB.
 bool dx_in_float(const Tensor& x, const Tensor& w) {
   return x.size(1) * 16 <= w.size(0) || 4 * x.size(0) * x.size(1) <= (int64_t(64) << 20);
 }
 
+// In fp16, whose dW sums would overflow past 65504 unscaled, the forward's
+// gradients of a mean come divided by the count already.
+bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
+
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
 // `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
-// mean): d loss / d logits is rounded before that scale, and unscaled its
-// target entries (≈ −1) round almost exactly. In fp16, whose dW sums would
-// overflow past 65504 unscaled, a mean's gradients come divided by the count.
-bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
-
+// mean, unless prescaled): d loss / d logits is rounded before that scale,
+// and unscaled its target entries (≈ −1) round almost exactly.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
@@ -179,11 +188,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   const Tensor inv = grad && prescaled(reduction, x) ? count_of(target, ignore_index).reciprocal() : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
                                 inv.defined() ? inv.data_ptr<float>() : nullptr);
-  // The mean's divisor stays on the device: no sync for the count of rows not ignored.
-  Tensor out = reduction == kNone ? loss.view(target_.sizes())
-               : reduction == kSum ? loss.sum()
-                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);  // all ignored: NaN
-  return {out, lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx, g.dw, g.db};
+  return {reduced(loss, target, target_, ignore_index, reduction), lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx,
+          g.dw, g.db};
 }
 
 // The recomputing path's slices: the float32 dX the backward sums into is
@@ -237,10 +243,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
     a.lse = lse.data_ptr<float>();
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
   }
-  Tensor out = reduction == kNone ? loss.view(target_.sizes())
-               : reduction == kSum ? loss.sum()
-                                   : loss.sum() / (target != ignore_index).sum().to(at::kFloat);
-  return {out, lse};
+  return {reduced(loss, target, target_, ignore_index, reduction), lse};
 }
 
 // acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
@@ -382,8 +385,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     // db, kept in float32, are scaled and rounded once; dW in place in eager
     // by coda::scale (nothing else holds it; no second dW-sized tensor, no
     // sync), out of place while a compiler traces (its tensors are
-    // functional) or on the CPU.
-    // they are scaled in place: a second backward (retain_graph) would scale them again
+    // functional) or on the CPU. In place, a second backward (retain_graph)
+    // would scale them again.
     TORCH_CHECK(!ctx->saved_data.count("scaled"), "coda.linear_cross_entropy with recompute=False runs one backward "
                 "(its gradients were formed in the forward and scaled in place); use recompute=True for more");
     ctx->saved_data["scaled"] = true;

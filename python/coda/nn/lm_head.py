@@ -32,8 +32,9 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     ``(weight, eps)`` meaning RMSNorm (LLaMA's final norm), applied inside the op,
     where ``stats`` (float32 (B, S, 2) row statistics of hidden, as
     coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) may be
-    passed (the op takes them and, today, reduces its own); or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch
-    first. softcap: tanh soft-capping of the logits (Gemma 2), or None. recompute:
+    passed (the op takes them and, today, reduces its own); or any other module
+    (e.g. GPT-2's nn.LayerNorm), applied in torch first. softcap: tanh
+    soft-capping of the logits (Gemma 2), or None. recompute:
     linear_cross_entropy's (True: gradients rounded as torch's, four GEMMs; False:
     three GEMMs, dW summed over chunks in bf16).
 
@@ -70,8 +71,7 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
                            "lacks")
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = loss_fn(hidden, weight, target.to(hidden.device), bias, ignore_index=ignore_index, reduction=reduction,
-                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats,
-                   **({} if recompute else {"recompute": False}))
+                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats, recompute=recompute)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)

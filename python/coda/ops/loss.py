@@ -27,19 +27,24 @@ __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
 
+
+def _loss_and_lse(x, target, reduction):
+    """The fakes' (loss, lse): per row for reduction none (code 0), else a scalar; float32."""
+    loss = x.new_empty(target.shape if reduction == 0 else (), dtype=torch.float32)
+    return loss, x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
+
+
 if _kernels.has_op("linear_cross_entropy_loss"):
 
     @torch.library.register_fake("coda::linear_cross_entropy")
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs):
         m = math.prod(x.shape[:-1])
-        f32 = x.new_empty((), dtype=torch.float32)
-        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 else f32
         grad = reduction != 0
-        # the gradients of the rows' sum, db in float32, and dX where D ≤ V/16: the backward scales them and
-        # rounds once
+        # the gradients of the rows' sum, db in float32, and dX where D ≤ V/16 or it takes ≤ 64 MiB (loss_ops.cpp's
+        # dx_in_float): the backward scales them and rounds once
         dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] or 4 * m * x.shape[-1] <= 64 << 20 \
             else x.dtype
-        return (loss, x.new_empty(m, dtype=torch.float32),
+        return (*_loss_and_lse(x, target, reduction),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
                 x.new_empty(weight.shape) if grad and needs[1] else x.new_empty(0),
                 x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
@@ -47,10 +52,7 @@ if _kernels.has_op("linear_cross_entropy_loss"):
 
     @torch.library.register_fake("coda::linear_cross_entropy_sliced")
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk):
-        m = math.prod(x.shape[:-1])
-        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 \
-            else x.new_empty((), dtype=torch.float32)
-        return loss, x.new_empty(m, dtype=torch.float32)
+        return _loss_and_lse(x, target, reduction)
 
     @torch.library.register_fake("coda::linear_cross_entropy_backward")
     def _(grad, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
@@ -61,10 +63,7 @@ if _kernels.has_op("linear_cross_entropy_loss"):
     @torch.library.register_fake("coda::linear_cross_entropy_loss")
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, recompute,
           chunk_vocab):
-        m = math.prod(x.shape[:-1])
-        loss = x.new_empty(target.shape, dtype=torch.float32) if reduction == 0 \
-            else x.new_empty((), dtype=torch.float32)
-        return loss, x.new_empty(m, dtype=torch.float32)
+        return _loss_and_lse(x, target, reduction)
 
 
 def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
