@@ -147,6 +147,46 @@ def test_residual_reduce_feeds_the_norm_gemm(normalization, seed):
                         [a, w_o, b_o, r, g, b, w, bias], dy, 8 * m * n * 2)
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_mlp_stats_feed_the_next_norm_gemm(normalization, seed):
+    # GPT-2's chain: the MLP's fc2 writes the residual stream and the next
+    # block's ln_1 statistics, which its norm-GEMM takes; against the unfused
+    # chain, and the statistics against float64 within torch's error.
+    m, d, f, n = 1000, 1024, 3072, 3072
+    layernorm = normalization == "LayerNorm"
+    x = residual_stream(m, d)
+    g2, b2n = norm_params(d, layernorm)
+    w1, b1 = rand(f, d, dtype=BF16, scale=d**-0.5), rand(f, dtype=BF16)
+    w2, b2 = rand(d, f, dtype=BF16, scale=f**-0.5), rand(d, dtype=BF16)
+    g1, b1n = norm_params(d, layernorm)
+    w, bias = rand(n, d, dtype=BF16, scale=d**-0.5), rand(n, dtype=BF16)
+    dy = rand(m, n, dtype=BF16)
+
+    def fused(x, g2, b2n, w1, b1, w2, b2, g1, b1n, w, bias):
+        h, stats = ops.norm_mlp(x, g2, b2n, w1, b1, w2, b2, normalization, 1e-5, "gelu_tanh", x, return_stats=True)
+        if layernorm:
+            return ops.layernorm_linear(h, g1, b1n, w, bias, 1e-5, stats=stats)
+        return ops.rmsnorm_linear(h, g1, w, bias, eps=1e-5, stats=stats)
+
+    def unfused(x, g2, b2n, w1, b1, w2, b2, g1, b1n, w, bias):
+        h = ops.norm_mlp_reference(x, g2, b2n, w1, b1, w2, b2, normalization, 1e-5, "gelu_tanh", x)
+        return ops.norm_linear_reference(h, g1, b1n, w, bias, normalization, 1e-5)
+
+    check_against_torch(f"norm_mlp stats -> norm_linear {normalization} seed={seed}", fused, unfused,
+                        [x, g2, b2n, w1, b1, w2, b2, g1, b1n, w, bias], dy, 10 * m * f * 2)
+    poison_cuda_allocator(4 * m * f * 2)
+    before = launches()
+    with torch.no_grad():
+        y, stats = ops.norm_mlp(x, g2, b2n, w1, b1, w2, b2, normalization, 1e-5, "gelu_tanh", x, return_stats=True)
+    assert any(k.startswith("linear_residual") for k in launched_since(before)), launched_since(before)
+    mean_y, rstd_y = row_stats64(y, layernorm)  # the statistics of the y it returned, to fp32 rounding
+    assert rel_err(stats[:, 1], rstd_y) < 1e-5
+    if layernorm:
+        assert (stats[:, 0].double() - mean_y).abs().max().item() < 1e-5 * (1 + mean_y.abs().max().item())
+    else:
+        assert torch.equal(stats[:, 0], torch.zeros_like(stats[:, 0]))
+
+
 def test_constant_rows_and_tiny_eps(seed):
     # A constant row normalizes to 0: the output is β·Wᵀ + b. The fold would
     # compute rstd·(x·W̃ᵀ − mean·s), two sums of the same terms in different
@@ -248,7 +288,7 @@ def test_norm_opcheck_on_gpu(layernorm):
         for fold in ((None, None, None), (fw, s, t)):
             check_op(torch.ops.coda.norm_linear.default, (x, g, b, w, bias, st, *fold, layernorm, 1e-5, 1, True))
             check_op(torch.ops.coda.norm_mlp.default, (x, g, b, w, bias, w2, None, st, *fold, None, True, layernorm,
-                                                       1e-5, 4, True))
+                                                       1e-5, 4, True, st is not None))
     dy, h = rand(m, n, dtype=BF16), rand(m, n, dtype=BF16)
     check_op(torch.ops.coda.norm_linear_backward.default,
              (dy, x, g, b, w, h, stats, s, t, layernorm, 1, [True, True, layernorm, True, True]))

@@ -121,6 +121,30 @@ def test_norm_mlp_errors():
         ops.norm_mlp(x, g, b, w1, b1, w2, None, residual=torch.zeros(4, 7, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_norm_mlp_return_stats(normalization):
+    # GPT-2's chain: y and the next norm's (mean, rstd) of y, float32 (..., 2), as row_stats computes them
+    layernorm = normalization == "LayerNorm"
+    x, g, b, w1, b1 = ln_inputs(m=6, d=16, n=24)
+    x = x.view(2, 3, 16)
+    b = b if layernorm else None
+    w2 = torch.randn(16, 24, dtype=torch.float64)
+    y0 = ops.norm_mlp(x, g, b, w1, b1, w2, None, normalization, 1e-5, residual=x)
+    y, st = ops.norm_mlp(x, g, b, w1, b1, w2, None, normalization, 1e-5, residual=x, return_stats=True)
+    torch.testing.assert_close(y, y0)
+    assert st.shape == (2, 3, 2) and st.dtype == torch.float32 and not st.requires_grad
+    torch.testing.assert_close(st, ops.row_stats(y, normalization, 1e-5))
+    ref = ops.norm_mlp_reference(x, g, b, w1, b1, w2, None, normalization, 1e-5, residual=x, return_stats=True)
+    torch.testing.assert_close(ref[1], st)
+    # and the next norm-GEMM takes them
+    w = torch.randn(8, 16, dtype=torch.float64)
+    nxt = ops.layernorm_linear if layernorm else (lambda h, g, b, w, **kw: ops.rmsnorm_linear(h, g, w, **kw))
+    torch.testing.assert_close(nxt(y, g, b, w, eps=1e-5, stats=st), nxt(y, g, b, w, eps=1e-5), rtol=1e-5, atol=1e-6)
+    mlp = coda.nn.LayerNormMLP(16, 24, normalization=normalization, dtype=torch.float64)
+    out, st_m = mlp(x, residual=x, return_stats=True)
+    torch.testing.assert_close(st_m, ops.row_stats(out, normalization, mlp.norm.eps))
+
+
 def test_modules_load_plain_pytorch_pairs():
     ln, lin = torch.nn.LayerNorm(16), torch.nn.Linear(16, 24)
     with torch.no_grad():

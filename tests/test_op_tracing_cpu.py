@@ -104,10 +104,10 @@ def _norm_linear_backward(dy, x, g, b, w, pre, stats, col_sum, shift, layernorm,
 
 
 def _norm_mlp(x, g, b, w1, b1, w2, b2, stats, folded, col_sum, shift, residual, add_input, layernorm, eps,
-              activation, save):
+              activation, save, want_stats):
     y, h1, a1 = _mlp(_norm(x, g, b, layernorm), w1, b1, w2, b2, x if add_input else residual, activation, save)
     return (y, h1, a1, _stats(x, layernorm) if stats is None else _none(x).float(),
-            *_fold(w1, g, b, b1, layernorm, folded))
+            *_fold(w1, g, b, b1, layernorm, folded), _stats(y, layernorm) if want_stats else _none(x).float())
 
 
 def _norm_mlp_backward(dy, x, g, b, w1, w2, h1, a1, stats, col_sum, shift, add_input, layernorm, activation, needs):

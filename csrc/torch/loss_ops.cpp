@@ -159,19 +159,50 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
 }
 
 // In fp16, whose dW sums would overflow past 65504 unscaled, the forward's
-// gradients of a mean come divided by the count already.
+// gradients of a mean come scaled by 2^-⌊log2(count)/2⌋ ≈ 1/√count: dW's
+// sums stay within √count·|x|, and p_j/√count stays clear of fp16's
+// subnormals, where p_j/count (≈ 1/(V·count)) loses its digits. A power of
+// two rounds nothing; the backward divides by the rest of the count.
 bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
+Tensor prescale_of(const Tensor& count) { return at::exp2(-at::floor(at::log2(count) * 0.5)); }
+
+// cuBLAS may split K and reduce the partial sums in 16 bits (torch allows
+// it by default), rounding a logit twice; which shapes it does that for is
+// its heuristics' choice, so a slice of the vocabulary could get it where
+// torch's one GEMM of the whole did not. While this lives, bf16/fp16 GEMMs
+// reduce in float32 (split-K still allowed).
+class FullPrecisionReduction {
+ public:
+  FullPrecisionReduction() : bf16_(ctx().allowBF16ReductionCuBLAS()), fp16_(ctx().allowFP16ReductionCuBLAS()) {
+    ctx().setAllowBF16ReductionCuBLAS(false, splitk(bf16_));
+    ctx().setAllowFP16ReductionCuBLAS(false, splitk(fp16_));
+  }
+  ~FullPrecisionReduction() {
+    ctx().setAllowBF16ReductionCuBLAS(reduced(bf16_), splitk(bf16_));
+    ctx().setAllowFP16ReductionCuBLAS(reduced(fp16_), splitk(fp16_));
+  }
+  FullPrecisionReduction(const FullPrecisionReduction&) = delete;
+  FullPrecisionReduction& operator=(const FullPrecisionReduction&) = delete;
+
+ private:
+  using Option = at::CuBLASReductionOption;
+  static at::Context& ctx() { return at::globalContext(); }
+  static bool reduced(Option o) { return o == Option::AllowReducedPrecisionWithSplitK; }
+  static bool splitk(Option o) { return o != Option::DisallowReducedPrecisionDisallowSplitK; }
+  Option bf16_, fp16_;
+};
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
 // `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
-// mean, unless prescaled): d loss / d logits is rounded before that scale,
+// mean; prescaled, by what prescale_of left): d loss / d logits is rounded before that scale,
 // and unscaled its target entries (≈ −1) round almost exactly.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
+  FullPrecisionReduction full_precision;
   expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
   expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
@@ -185,7 +216,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
           needs[1] ? at::empty_like(w) : none(x), none(x)};
   const bool grad = needs[0] || needs[1] || needs[2];
-  const Tensor inv = grad && prescaled(reduction, x) ? count_of(target, ignore_index).reciprocal() : Tensor();
+  const Tensor inv = grad && prescaled(reduction, x) ? prescale_of(count_of(target, ignore_index)) : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
                                 inv.defined() ? inv.data_ptr<float>() : nullptr);
   return {reduced(loss, target, target_, ignore_index, reduction), lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx,
@@ -221,6 +252,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
                                                        double label_smoothing, double softcap, double z_loss,
                                                        int64_t reduction, int64_t chunk) {
   c10::cuda::CUDAGuard guard(x_.device());
+  FullPrecisionReduction full_precision;
   expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
   expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
@@ -265,6 +297,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     const Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
+  FullPrecisionReduction full_precision;
   Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
   const int64_t m = x.size(0), n = w.size(0);
   expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
@@ -342,8 +375,9 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
           x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
     }
     // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
-    const Tensor count = reduction == kMean && (recompute || !prescaled(reduction, x)) ? count_of(target, ignore_index)
-                                                                                      : none_f32(x);
+    // (prescaled: the forward's gradients came multiplied by prescale_of(count) already)
+    Tensor count = reduction == kMean ? count_of(target, ignore_index) : none_f32(x);
+    if (!recompute && prescaled(reduction, x)) count = count * prescale_of(count);
     if (recompute) {
       ctx->save_for_backward({x, weight, bias ? *bias : none(x), target, lse, count});
       ctx->saved_data["ii"] = ignore_index;

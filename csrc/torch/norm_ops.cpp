@@ -197,12 +197,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_linear_backward(
 }
 
 // fc2(act(fc1(Norm(x)))) + residual (x itself with add_input).
-// -> (y, h1, a1, stats, col_sum, shift) as norm_linear.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
+// -> (y, h1, a1, stats, col_sum, shift) as norm_linear, and with want_stats
+// the row statistics of y for a norm of this one's kind and eps (the next
+// block's, from fc2's epilogue), else (0,).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
     const Tensor& x_, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& w1_, const OptTensor& b1,
     const Tensor& w2_, const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
     const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual, bool add_input, bool layernorm,
-    double eps, int64_t activation, bool save) {
+    double eps, int64_t activation, bool save, bool want_stats) {
   c10::cuda::CUDAGuard guard(x_.device());
   Tensor x = rows(x_), w1 = rows(w1_), w2 = rows(w2_);
   const int64_t m = x.size(0), f = w1.size(0), e = w2.size(0);
@@ -216,18 +218,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
   Tensor a1 = empty2(m, f, x), h1 = save_h ? empty2(m, f, x) : none(x);
   norm_forward(x, fo, st, layernorm, eps, act, a1, save_h ? &h1 : nullptr);
   Tensor y_ = empty_rows_of(x_, e), y = flat(y_);
-  LinearArgs a;
-  a.m = m; a.n = e; a.k = f;
-  a.x = a1.data_ptr(); a.ldx = a1.stride(0);
-  a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
   OptTensor bias2 = vec(b2);
-  a.bias = ptr(bias2);
-  a.residual = ptr(r);
-  a.ld_residual = r ? r->stride(0) : 0;
-  a.y = y.data_ptr(); a.ldy = y.stride(0);
-  call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);
+  Tensor out_st = want_stats ? stats_buffer(m, x) : none_f32(x);
+  if (want_stats) {
+    LinearResidualArgs a;
+    a.m = m; a.n = e; a.k = f;
+    a.x = a1.data_ptr(); a.ldx = a1.stride(0);
+    a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
+    a.bias = ptr(bias2);
+    a.residual = ptr(r);
+    a.ld_residual = r ? r->stride(0) : 0;
+    a.y = y.data_ptr(); a.ldy = y.stride(0);
+    a.layernorm = layernorm;
+    a.eps = static_cast<float>(eps);
+    a.mean = out_st.data_ptr<float>();
+    a.rstd = out_st.data_ptr<float>() + out_st.stride(0);
+    call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
+  } else {
+    LinearArgs a;
+    a.m = m; a.n = e; a.k = f;
+    a.x = a1.data_ptr(); a.ldx = a1.stride(0);
+    a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
+    a.bias = ptr(bias2);
+    a.residual = ptr(r);
+    a.ld_residual = r ? r->stride(0) : 0;
+    a.y = y.data_ptr(); a.ldy = y.stride(0);
+    call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);
+  }
   return {y_, h1, save ? a1 : none(x), stats ? none_f32(x) : st,
-          folded ? none_f32(x) : or_none_f32(fo.col_sum, x), folded ? none_f32(x) : fo.shift};
+          folded ? none_f32(x) : or_none_f32(fo.col_sum, x), folded ? none_f32(x) : fo.shift, out_st};
 }
 
 // h1: the pre-activation (a1 with identity). needs: (dx, dnorm_weight, dnorm_bias, dw1, db1, dw2, db2)
@@ -368,10 +387,11 @@ struct NormMlpFn : torch::autograd::Function<NormMlpFn> {
                                const OptTensor& norm_bias, const Tensor& w1, const OptTensor& b1, const Tensor& w2,
                                const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
                                const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual,
-                               bool add_input, bool layernorm, double eps, int64_t activation) {
+                               bool add_input, bool layernorm, double eps, int64_t activation, bool want_stats) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, h1, a1, st, s, t] = norm_mlp_op().call(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum,
-                                                    shift, residual, add_input, layernorm, eps, activation, true);
+    auto [y, h1, a1, st, s, t, out_st] = norm_mlp_op().call(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded,
+                                                            col_sum, shift, residual, add_input, layernorm, eps,
+                                                            activation, true, want_stats);
     const bool identity = activation == int64_t(Activation::kIdentity);
     const Tensor s_used = folded ? given_or(col_sum, Tensor()) : s;
     ctx->save_for_backward({x, norm_weight, norm_bias.value_or(Tensor()), w1, w2, identity ? a1 : h1, a1,
@@ -380,13 +400,13 @@ struct NormMlpFn : torch::autograd::Function<NormMlpFn> {
                                          stats.has_value(), folded.has_value(), col_sum.has_value(),
                                          shift.has_value(), residual.has_value()});
     ctx->saved_data["a"] = activation << 2 | int64_t(layernorm) << 1 | int64_t(add_input);
-    ctx->mark_non_differentiable({h1, a1, st, s, t});
+    ctx->mark_non_differentiable({h1, a1, st, s, t, out_st});
     ctx->set_materialize_grads(false);
-    return {y, h1, a1, st, s, t};
+    return {y, h1, a1, st, s, t, out_st};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& dy = grads[0];
-    if (!dy.defined()) return variable_list(16);
+    if (!dy.defined()) return variable_list(17);
     at::AutoDispatchBelowADInplaceOrView below;  // the backward op's own Autograd key has nothing to do
     const auto n = needs_by_arg<12>(ctx, ctx->saved_data["p"].toInt());
     const int64_t packed = ctx->saved_data["a"].toInt();
@@ -396,26 +416,26 @@ struct NormMlpFn : torch::autograd::Function<NormMlpFn> {
                                          v[9], (packed & 1) != 0, (packed >> 1 & 1) != 0, packed >> 2, needs);
     const Tensor* r[7] = {&std::get<0>(g), &std::get<1>(g), &std::get<2>(g), &std::get<3>(g),
                           &std::get<4>(g), &std::get<5>(g), &std::get<6>(g)};
-    variable_list out(16);
+    variable_list out(17);
     for (int i = 0; i < 7; ++i) out[i] = needs[i] ? *r[i] : Tensor();
     if (n[11]) out[11] = dy;
     return first_order("norm_mlp", std::move(out));
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_autograd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp_autograd(
     const Tensor& x, const Tensor& norm_weight, const OptTensor& norm_bias, const Tensor& w1, const OptTensor& b1,
     const Tensor& w2, const OptTensor& b2, const OptTensor& stats, const OptTensor& folded,
     const OptTensor& col_sum, const OptTensor& shift, const OptTensor& residual, bool add_input, bool layernorm,
-    double eps, int64_t activation, bool save) {
+    double eps, int64_t activation, bool save, bool want_stats) {
   if (!any_requires_grad({&x, &norm_weight, opt(norm_bias), &w1, opt(b1), &w2, opt(b2), opt(residual)})) {
     at::AutoDispatchBelowADInplaceOrView below;
     return norm_mlp_op().call(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual,
-                              add_input, layernorm, eps, activation, save);
+                              add_input, layernorm, eps, activation, save, want_stats);
   }
   auto o = NormMlpFn::apply(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual,
-                            add_input, layernorm, eps, activation);
-  return {o[0], o[1], o[2], o[3], o[4], o[5]};
+                            add_input, layernorm, eps, activation, want_stats);
+  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6]};
 }
 
 // y = x·Wᵀ + b + residual and the next norm's row statistics (no gradient).
@@ -492,8 +512,8 @@ CODA_TORCH_OP(norm_linear_backward,
 CODA_TORCH_OP(norm_mlp,
               "norm_mlp(Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor w1, Tensor? b1, Tensor w2,"
               " Tensor? b2, Tensor? stats, Tensor? folded, Tensor? col_sum, Tensor? shift, Tensor? residual,"
-              " bool add_input, bool layernorm, float eps, int activation, bool save)"
-              " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+              " bool add_input, bool layernorm, float eps, int activation, bool save, bool want_stats)"
+              " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(norm_mlp_backward,
               "norm_mlp_backward(Tensor dy, Tensor x, Tensor norm_weight, Tensor? norm_bias, Tensor w1, Tensor w2,"
               " Tensor h1, Tensor a1, Tensor stats, Tensor? col_sum, Tensor shift, bool add_input, bool layernorm,"

@@ -76,7 +76,7 @@ def _choices(options) -> Callable[[str], List[str]]:
     return parse
 
 
-_sections, _models, _impls = _choices(SECTIONS), _choices(train.MODELS), _choices(train.IMPLS)
+_sections, _models, _impls = _choices(SECTIONS), _choices(train.MODELS), _choices(train.IMPLS + train.EXTRA_IMPLS)
 
 
 def gpu_here() -> Tuple[bool, str]:
@@ -108,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, of {', '.join(train.MODELS)} (default: llama1b,gpt2medium; on the CPU "
                         "their tiny configs)")
     t.add_argument("--impls", type=_impls, metavar=",".join(train.IMPLS),
-                   help="comma-separated, timed in this order (default: all)")
+                   help="comma-separated, timed in this order (default: all of these; also "
+                        + ", ".join(train.EXTRA_IMPLS) + ": the LM head's three-GEMM backward)")
     t.add_argument("--steps", type=int, help="timed steps per impl (default: 20 on the GPU, 2 on the CPU)")
     t.add_argument("--warmup-steps", type=int, help="untimed steps first, torch.compile's compilation among them "
                                                     "(default: 3 on the GPU, 1 on the CPU)")

@@ -43,6 +43,8 @@ import torch
 from .timing import why
 
 IMPLS = ("hf", "liger", "compile", "coda", "coda_compile")
+# on request only (--impls): coda with the LM head's three-GEMM backward (dW summed over token chunks in bf16)
+EXTRA_IMPLS = ("coda_3gemm",)
 SEED = 0
 LR = 3e-4
 DATA_FRACTION = 8  # tokens are drawn from the first vocab // DATA_FRACTION ids
@@ -125,12 +127,12 @@ def _compile(model):
     return torch.compile(model)
 
 
-def _coda_patch(model):
+def _coda_patch(model, **options):
     try:
         from coda import hf as coda_hf
     except ImportError as e:
         raise Skip(f"coda.hf is not importable ({why(e)})") from None
-    patched = coda_hf.patch(model)
+    patched = coda_hf.patch(model, **options)
     return model if patched is None else patched
 
 
@@ -181,6 +183,7 @@ IMPL_FNS: Dict[str, Callable] = {
     "compile": _compile,
     "coda": _coda_patch,
     "coda_compile": lambda m: _compile(_coda_patch(m)),
+    "coda_3gemm": lambda m: _coda_patch(m, lm_head_recompute=False),
 }
 
 
@@ -393,7 +396,7 @@ def print_table(out: Outcome) -> None:
         print("\nnothing was run")
         return
     order = {m: i for i, m in enumerate(dict.fromkeys(k[0] for k in keys))}
-    keys.sort(key=lambda k: (order[k[0]], IMPLS.index(k[1]) if k[1] in IMPLS else len(IMPLS)))
+    keys.sort(key=lambda k: (order[k[0]], (IMPLS + EXTRA_IMPLS).index(k[1]) if k[1] in IMPLS + EXTRA_IMPLS else 99))
     width = max(len(k[0]) for k in keys) + 2
     print(f"\n{'model':<{width}}{'impl':<14}{'step ms':>10}{'tokens/s':>12}{'x vs hf':>9}{'peak GiB':>10}"
           f"{'last loss':>11}")

@@ -2,13 +2,15 @@
 
 Each block runs as
 
-    qkv      = layernorm_linear(h, ln_1, c_attn)             ln_1 folded into c_attn's GEMM
+    qkv      = layernorm_linear(h, ln_1, c_attn, stats)      ln_1 folded into c_attn's GEMM
     h, stats = linear_residual(SDPA(qkv), attn.c_proj, h)    c_proj + residual, and ln_2's statistics
-    h        = norm_mlp(h, ln_2, mlp.c_fc, gelu, mlp.c_proj, residual=h, stats=stats)
+    h, stats = norm_mlp(h, ln_2, mlp.c_fc, gelu, mlp.c_proj, residual=h, stats=stats, return_stats=True)
 
-and the final ln_f (in torch) feeds the tied LM head's cross-entropy
-(coda.nn.LMHead, which calls coda.nn.causal_lm_loss) without logits. norm_mlp returns no statistics, so each
-block's ln_1 reduces its own (one light pass over h).
+so the GEMM that writes the residual stream also reduces the next norm's row
+statistics (the last block's fc2 does not: ln_f runs in torch), and the final
+ln_f feeds the tied LM head's cross-entropy (coda.nn.LMHead, which calls
+coda.nn.causal_lm_loss) without logits. The first block's ln_1 reduces its
+own statistics (one light pass over the embeddings).
 
 Conv1D stores its weight (in, out); coda's ops, like nn.Linear, read (out, in). The
 patch transposes each of the four Conv1D weights once into a LinearConv1D, whose
@@ -146,7 +148,8 @@ def unpatch(model):
 
 # ---- the patched forwards
 
-def _block(block, h, mask, activation: str, where: str):
+def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool):
+    """-> (h, the next ln_1's statistics of h, or None)."""
     attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
     training = block.training
     if training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0):
@@ -154,12 +157,15 @@ def _block(block, h, mask, activation: str, where: str):
             f"{where}: residual dropout (resid_pdrop = {max(attn.resid_dropout.p, mlp.dropout.p)}) would sit between "
             f"a GEMM and the residual add its epilogue does: train with resid_pdrop = 0 (the blocks' "
             f"attn.resid_dropout.p and mlp.dropout.p), or call model.eval() for inference")
-    qkv = ops.layernorm_linear(h, ln_1.weight, ln_1.bias, attn.c_attn.weight, attn.c_attn.bias, ln_1.eps)
+    qkv = ops.layernorm_linear(h, ln_1.weight, ln_1.bias, attn.c_attn.weight, attn.c_attn.bias, ln_1.eps,
+                               stats=stats)
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.split(attn.split_size, -1))
     a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0)
     h, stats = ops.linear_residual(a, attn.c_proj.weight, attn.c_proj.bias, h, "LayerNorm", ln_2.eps)
-    return ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
-                        mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats)
+    out = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
+                       mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats,
+                       return_stats=want_stats)
+    return out if want_stats else (out, None)
 
 
 def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where: str):
@@ -179,11 +185,14 @@ def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_emb
     mask = causal_mask(attention_mask, batch, seq, h.device, None, where)
     activation = tr.config.activation_function
     remat = getattr(tr, "gradient_checkpointing", False) and tr.training and torch.is_grad_enabled()
-    for block in tr.h:
+    stats = None
+    for i, block in enumerate(tr.h):
+        # norm_mlp reduces statistics with its own ln_2's eps: the next ln_1 takes them where its eps is the same
+        want = i + 1 < len(tr.h) and tr.h[i + 1].ln_1.eps == block.ln_2.eps
         if remat:
-            h = checkpoint(_block, block, h, mask, activation, where, use_reentrant=False)
+            h, stats = checkpoint(_block, block, h, stats, mask, activation, where, want, use_reentrant=False)
         else:
-            h = _block(block, h, mask, activation, where)
+            h, stats = _block(block, h, stats, mask, activation, where, want)
     return h
 
 

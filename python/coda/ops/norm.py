@@ -20,7 +20,7 @@ tensor so that the kernels read each column as a contiguous vector.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -87,11 +87,12 @@ if _kernels.available():
 
     @torch.library.register_fake("coda::norm_mlp")
     def _(x, norm_weight, norm_bias, w1, b1, w2, b2, stats, folded, col_sum, shift, residual, add_input, layernorm,
-          eps, activation, save):
+          eps, activation, save, want_stats):
         m, f = math.prod(x.shape[:-1]), w1.shape[0]
         save_h = save and activation != _activations.IDENTITY
         return (x.new_empty(*x.shape[:-1], w2.shape[0]), x.new_empty(m, f) if save_h else x.new_empty(0),
-                x.new_empty(m, f) if save else x.new_empty(0), *_state_fake(x, f, stats, folded, layernorm))
+                x.new_empty(m, f) if save else x.new_empty(0), *_state_fake(x, f, stats, folded, layernorm),
+                _stats_fake(x, m) if want_stats else _f32(x))
 
     @torch.library.register_fake("coda::norm_mlp_backward")
     def _(dy, x, norm_weight, norm_bias, w1, w2, h1, a1, stats, col_sum, shift, add_input, layernorm, activation,
@@ -271,18 +272,23 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optiona
 
 def norm_mlp_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, normalization: str = "LayerNorm",
                        eps: Optional[float] = None, activation: Optional[str] = "gelu_tanh", residual=None,
-                       stats: Optional[Tensor] = None) -> Tensor:
-    """fc2(act(fc1(Norm(x)))) (+ residual), unfused."""
+                       stats: Optional[Tensor] = None,
+                       return_stats: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """fc2(act(fc1(Norm(x)))) (+ residual), unfused; stats and return_stats as norm_mlp takes them."""
     layernorm = _checks.layernorm(normalization, "norm_mlp")
     eps = _checks.eps_of(eps, layernorm, x, "norm_mlp")
     n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
-    return mlp_reference(n, w1, b1, w2, b2, activation, residual)
+    y = mlp_reference(n, w1, b1, w2, b2, activation, residual)
+    if not return_stats:
+        return y
+    return y, _to_user(_row_stats_reference(rows(y), layernorm, eps), y.shape[:-1])
 
 
 def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Tensor, b1: Optional[Tensor],
              w2: Tensor, b2: Optional[Tensor], normalization: str = "LayerNorm", eps: Optional[float] = None,
              activation: Optional[str] = "gelu_tanh", residual: Optional[Tensor] = None,
-             stats: Optional[Tensor] = None, folded: Optional[FoldedWeight] = None) -> Tensor:
+             stats: Optional[Tensor] = None, folded: Optional[FoldedWeight] = None,
+             return_stats: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """fc2(act(fc1(Norm(x)))) + residual: the norm folded into fc1, everything else in epilogues.
 
     x: (..., D); norm_weight, norm_bias: (D,) (norm_bias None for RMSNorm);
@@ -291,7 +297,10 @@ def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Te
     also folds the residual's gradient into fc1's dgrad epilogue; eps: None
     for the norm's default (1e-5 LayerNorm, machine epsilon RMSNorm); stats:
     optional float32 (..., 2) per-row (mean, rstd) of x; folded: optional
-    fold_norm_weight(w1, norm_weight, norm_bias, b1) to reuse.
+    fold_norm_weight(w1, norm_weight, norm_bias, b1) to reuse. With
+    return_stats, returns (y, stats of y (..., 2)): the row statistics of the
+    same norm and eps (reduced in fc2's epilogue), for the next block's norm;
+    else y.
     """
     op = "norm_mlp"
     layernorm = _checks.layernorm(normalization, op)
@@ -316,11 +325,12 @@ def norm_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w1: Te
         if t is not None:
             _checks.like(name, t, x, op)
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], w1.shape[0], w2.shape[0])):
-        n = normalize_reference(x, norm_weight, norm_bias, eps, layernorm, _to_rows(stats))
-        return mlp_reference(n, w1, b1, w2, b2, activation, residual)
-    return torch.ops.coda.norm_mlp.default(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats),
-                                           *_fold_args(folded), None if add_input else residual, add_input,
-                                           layernorm, eps, act, False)[0]
+        return norm_mlp_reference(x, norm_weight, norm_bias, w1, b1, w2, b2, normalization, eps, activation, residual,
+                                  stats, return_stats)
+    out = torch.ops.coda.norm_mlp.default(x, norm_weight, norm_bias, w1, b1, w2, b2, _to_rows(stats),
+                                          *_fold_args(folded), None if add_input else residual, add_input,
+                                          layernorm, eps, act, False, bool(return_stats))
+    return (out[0], _to_user(out[6], out[0].shape[:-1])) if return_stats else out[0]
 
 
 # ---- residual-reduce: Y = x·Wᵀ + b + R and the next norm's row statistics
