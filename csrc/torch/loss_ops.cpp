@@ -42,14 +42,15 @@ struct CeParams {
 // Tokens per chunk: one chunk of logits (rows padded to 8) and `reserve`
 // bytes (a float32 dX) within 1/8 of the fp32 logits (at least 16 MiB), so
 // 4 chunks at least, and at most 512 MiB of logits per chunk; chunks of
-// equal size.
+// equal size, a multiple of 8 tokens where the budget has room (the chunk is
+// the K of the dW GEMM: see product()).
 int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
   const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
   const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
   const int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
-  const int64_t chunks = (m + rows - 1) / rows;
-  return std::max<int64_t>(1, std::min(rows, (m + chunks - 1) / chunks));
+  const int64_t chunks = (m + rows - 1) / rows, even = ((m + chunks - 1) / chunks + 7) / 8 * 8;
+  return std::max<int64_t>(1, std::min(rows >= 8 ? rows / 8 * 8 : rows, even));
 }
 
 // Classes per slice of the recomputing path, a multiple of 8 (the buffer's
@@ -87,6 +88,41 @@ CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int6
   return a;
 }
 
+// acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
+// torch has addmm's out_dtype form for them, else through a float32 product.
+void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
+  try {
+    at::addmm_out(acc, acc, a, b, at::kFloat);
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error&) {  // this torch's addmm takes no float32 self beside 16-bit operands
+    acc.add_(at::mm(a, b, at::kFloat));
+  }
+}
+
+// out = a·b, or out += a·b with `accumulate`; out float32 or a's dtype. A K
+// that is no multiple of 8 is cut there and the last few columns added by a
+// second GEMM: the three-GEMM path's step at GPT-2's vocabulary (50,257, the
+// K of its dX GEMMs; chunks of 1,639 tokens, the K of its dW GEMMs) ran
+// 15 ms slower than the recomputing one on an H100 (b41c505), where at
+// LLaMA's (128,256, chunks of 2,048) it ran 8 ms faster.
+void product(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
+  const int64_t k = a.size(1), k8 = k / 8 * 8;
+  if (k % 8 != 0 && k8 > 0) {
+    product(out, a.narrow(1, 0, k8), b.narrow(0, 0, k8), accumulate);
+    product(out, a.narrow(1, k8, k - k8), b.narrow(0, k8, k - k8), true);
+    return;
+  }
+  const bool f32 = out.scalar_type() == at::kFloat && a.scalar_type() != at::kFloat;
+  if (!accumulate) {
+    f32 ? at::mm_out(out, a, b, at::kFloat) : at::mm_out(out, a, b);
+  } else if (f32) {
+    add_product_f32(out, a, b);
+  } else {
+    out.addmm_(a, b);
+  }
+}
+
 // The forward's chunks of tokens: the per-row losses (m,) and log-sum-exps
 // (m,), and where `needs`, the gradients of the rows' sum into g.
 std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const OptTensor& bias, const Tensor& target,
@@ -115,19 +151,9 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
     if (needs[0]) {
       Tensor dxc = g.dx.narrow(0, s, len);
-      if (g.dx.scalar_type() != z.scalar_type()) {
-        at::mm_out(dxc, z, w, g.dx.scalar_type());
-      } else {
-        at::mm_out(dxc, z, w);
-      }
+      product(dxc, z, w, false);
     }
-    if (needs[1]) {
-      if (s == 0) {
-        at::mm_out(g.dw, z.t(), xc);
-      } else {
-        g.dw.addmm_(z.t(), xc);
-      }
-    }
+    if (needs[1]) product(g.dw, z.t(), xc, s > 0);
     if (needs[2]) db32.add_(z.sum(0, false, at::kFloat));
   }
   if (needs[2]) g.db = db32;
@@ -278,18 +304,6 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
   return {reduced(loss, target, target_, ignore_index, reduction), lse};
 }
 
-// acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
-// torch has addmm's out_dtype form for them, else through a float32 product.
-void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
-  try {
-    at::addmm_out(acc, acc, a, b, at::kFloat);
-  } catch (const c10::OutOfMemoryError&) {
-    throw;
-  } catch (const c10::Error&) {  // this torch's addmm takes no float32 self beside 16-bit operands
-    acc.add_(at::mm(a, b, at::kFloat));
-  }
-}
-
 // The recomputing backward: grad () scales every row, or (target's shape)
 // each row (reduction none); lse (m,) from the forward.
 std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
@@ -333,15 +347,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     a.vocab = n;
     (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
     check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
-    if (needs[0]) {
-      if (v0 == 0) {
-        dx_float ? at::mm_out(dx, z, wv, at::kFloat) : at::mm_out(dx, z, wv);
-      } else if (dx_float) {
-        add_product_f32(dx, z, wv);
-      } else {
-        dx.addmm_(z, wv);
-      }
-    }
+    if (needs[0]) product(dx, z, wv, v0 > 0);
     if (needs[1]) {
       Tensor dwv = dw.narrow(0, v0, len);
       at::mm_out(dwv, z.t(), x);
