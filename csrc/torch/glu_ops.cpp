@@ -46,24 +46,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> norm_glu_mlp(
   Tensor y_ = empty_rows_of(x_, e), y = flat(y_);
   Tensor out_st = want_stats ? stats_buffer(m, x) : none_f32(x);
   if (want_stats) {  // the next norm's row statistics from the down projection's epilogue
-    LinearResidualArgs d;
-    d.m = m; d.n = e; d.k = f;
-    d.x = a.data_ptr(); d.ldx = a.stride(0);
-    d.weight = wd.data_ptr(); d.ldw = wd.stride(0);
-    d.residual = ptr(r); d.ld_residual = r ? r->stride(0) : 0;
-    d.y = y.data_ptr(); d.ldy = y.stride(0);
-    d.layernorm = false;
-    d.eps = static_cast<float>(eps);
-    d.mean = out_st.data_ptr<float>();
-    d.rstd = rstd_ptr(out_st);
-    call("linear_residual", dtype_of(x), d, x, coda::linear_residual, coda::linear_residual_workspace_size);
+    linear_residual_into(a, wd, std::nullopt, r, y, false, eps, out_st);
   } else {
-    LinearArgs d;
-    d.m = m; d.n = e; d.k = f;
-    d.x = a.data_ptr(); d.ldx = a.stride(0);
-    d.weight = wd.data_ptr(); d.ldw = wd.stride(0);
-    d.residual = ptr(r); d.ld_residual = r ? r->stride(0) : 0;
-    d.y = y.data_ptr(); d.ldy = y.stride(0);
+    LinearArgs d = residual_gemm_args<LinearArgs>(a, wd, std::nullopt, r, y);
     call("linear", dtype_of(x), d, x, coda::linear, coda::linear_workspace_size);
   }
   return {y_, save ? h : none(x), save ? a : none(x), has_norm && !stats ? st : none_f32(x), out_st};

@@ -13,15 +13,8 @@ namespace {
 // act(x·wᵀ + bias) + residual, with H = x·wᵀ + bias where `h` is given.
 void forward(const Tensor& x, const Tensor& w, const OptTensor& bias, const OptTensor& residual, Activation act,
              const Tensor& y, const Tensor* h) {
-  LinearArgs a;
-  a.m = x.size(0); a.n = w.size(0); a.k = x.size(1);
-  a.x = x.data_ptr(); a.ldx = x.stride(0);
-  a.weight = w.data_ptr(); a.ldw = w.stride(0);
-  a.bias = ptr(bias);
+  LinearArgs a = residual_gemm_args<LinearArgs>(x, w, bias, residual, y);
   a.activation = act;
-  a.residual = ptr(residual);
-  a.ld_residual = residual ? residual->stride(0) : 0;
-  a.y = y.data_ptr(); a.ldy = y.stride(0);
   a.pre_act = h ? h->data_ptr() : nullptr;
   a.ld_pre_act = h ? h->stride(0) : 0;
   call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);

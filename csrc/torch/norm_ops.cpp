@@ -221,28 +221,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> norm_mlp(
   OptTensor bias2 = vec(b2);
   Tensor out_st = want_stats ? stats_buffer(m, x) : none_f32(x);
   if (want_stats) {
-    LinearResidualArgs a;
-    a.m = m; a.n = e; a.k = f;
-    a.x = a1.data_ptr(); a.ldx = a1.stride(0);
-    a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
-    a.bias = ptr(bias2);
-    a.residual = ptr(r);
-    a.ld_residual = r ? r->stride(0) : 0;
-    a.y = y.data_ptr(); a.ldy = y.stride(0);
-    a.layernorm = layernorm;
-    a.eps = static_cast<float>(eps);
-    a.mean = out_st.data_ptr<float>();
-    a.rstd = out_st.data_ptr<float>() + out_st.stride(0);
-    call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
+    linear_residual_into(a1, w2, bias2, r, y, layernorm, eps, out_st);
   } else {
-    LinearArgs a;
-    a.m = m; a.n = e; a.k = f;
-    a.x = a1.data_ptr(); a.ldx = a1.stride(0);
-    a.weight = w2.data_ptr(); a.ldw = w2.stride(0);
-    a.bias = ptr(bias2);
-    a.residual = ptr(r);
-    a.ld_residual = r ? r->stride(0) : 0;
-    a.y = y.data_ptr(); a.ldy = y.stride(0);
+    LinearArgs a = residual_gemm_args<LinearArgs>(a1, w2, bias2, r, y);
     call("linear", dtype_of(x), a, x, coda::linear, coda::linear_workspace_size);
   }
   return {y_, h1, save ? a1 : none(x), stats ? none_f32(x) : st,
@@ -300,18 +281,7 @@ std::tuple<Tensor, Tensor> linear_residual(const Tensor& x_, const Tensor& weigh
          "linear_residual: weight must be (N, K) for x (M, K), residual (M, N)");
   OptTensor b = vec(bias);
   Tensor y_ = empty_rows_of(x_, n), y = flat(y_), st = stats_buffer(m, x);
-  LinearResidualArgs a;
-  a.m = m; a.n = n; a.k = x.size(1);
-  a.x = x.data_ptr(); a.ldx = x.stride(0);
-  a.weight = w.data_ptr(); a.ldw = w.stride(0);
-  a.bias = ptr(b);
-  a.residual = r.data_ptr(); a.ld_residual = r.stride(0);
-  a.y = y.data_ptr(); a.ldy = y.stride(0);
-  a.layernorm = layernorm;
-  a.eps = static_cast<float>(eps);
-  a.mean = st.data_ptr<float>();
-  a.rstd = st.data_ptr<float>() + st.stride(0);
-  call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
+  linear_residual_into(x, w, b, r, y, layernorm, eps, st);
   return {y_, st};
 }
 
@@ -478,6 +448,16 @@ std::tuple<Tensor, Tensor> linear_residual_autograd(const Tensor& x, const Tenso
 }
 
 }  // namespace
+
+void linear_residual_into(const Tensor& x, const Tensor& w, const OptTensor& bias, const OptTensor& residual,
+                          const Tensor& y, bool layernorm, double eps, const Tensor& st) {
+  LinearResidualArgs a = residual_gemm_args<LinearResidualArgs>(x, w, bias, residual, y);
+  a.layernorm = layernorm;
+  a.eps = static_cast<float>(eps);
+  a.mean = st.data_ptr<float>();
+  a.rstd = st.data_ptr<float>() + st.stride(0);
+  call("linear_residual", dtype_of(x), a, x, coda::linear_residual, coda::linear_residual_workspace_size);
+}
 
 // ---- for the LLaMA path's ops (glu_ops.cpp, rope_ops.cpp): RMSNorm only
 

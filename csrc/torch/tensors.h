@@ -58,6 +58,21 @@ inline const float* f32_ptr(const OptTensor& t) { return t && t->numel() ? t->da
 
 inline void expect(bool ok, const char* what) { TORCH_CHECK(ok, "coda: ", what); }
 
+// The fields LinearArgs and LinearResidualArgs share: y = x·wᵀ + bias + residual,
+// x (M, K), w (N, K), row-major with a leading dimension.
+template <class Args>
+Args residual_gemm_args(const Tensor& x, const Tensor& w, const OptTensor& bias, const OptTensor& residual,
+                        const Tensor& y) {
+  Args a;
+  a.m = x.size(0); a.n = w.size(0); a.k = x.size(1);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr(); a.ldw = w.stride(0);
+  a.bias = ptr(bias);
+  a.residual = ptr(residual); a.ld_residual = residual ? residual->stride(0) : 0;
+  a.y = y.data_ptr(); a.ldy = y.stride(0);
+  return a;
+}
+
 inline Tensor empty2(int64_t m, int64_t n, const Tensor& like) { return at::empty({m, n}, like.options()); }
 
 // The ops take and return (..., features) as F.linear does, so that Python
