@@ -80,7 +80,7 @@ def main():
         "C.norm_linear stats+folded given": lambda: C.norm_linear(x, g, beta, w1, b1, st, fw, fs, ft, True, 1e-5, 0,
                                                                   False),
         "C.norm_mlp": lambda: C.norm_mlp(x, g, beta, w1, b1, w2, b, st, None, None, None, x, False, True, 1e-5, 1,
-                                         True),
+                                         True, False),
         "C.norm_mlp_backward": lambda: C.norm_mlp_backward(dy, x, g, beta, w1, w2, h1, h1, st, fs, ft, False, True, 1,
                                                            [True] * 7),
         "ops.linear no_grad": lambda: ops.linear(x, w, b),

@@ -17,7 +17,8 @@
 // the kernel writes d loss / d logits over the logits and two GEMMs take it
 // to dX (the chunk's rows, complete) and dW (summed over the chunks in W's
 // dtype, one rounding per chunk: ≥ 4 chunks under the memory bound, so
-// 1.2–1.9x the rounding error of torch's one GEMM); the backward only scales
+// 1.2–1.4x the rounding error of torch's one GEMM in bf16 on an H100,
+// ec3b77c; 1.9x in a CPU emulation); the backward only scales
 // them by the upstream gradient. Three GEMMs, and dW held from the forward
 // to the backward.
 //
@@ -25,6 +26,8 @@
 // a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
 // problems may take 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
 // times both.
+#include <mutex>
+
 #include "autograd.h"
 #include "tensors.h"
 
@@ -46,11 +49,13 @@ struct CeParams {
 // the K of the dW GEMM: see product()).
 int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
+  if (m == 0) return 1;
   const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
   const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
-  const int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
-  const int64_t chunks = (m + rows - 1) / rows, even = ((m + chunks - 1) / chunks + 7) / 8 * 8;
-  return std::max<int64_t>(1, std::min(rows >= 8 ? rows / 8 * 8 : rows, even));
+  int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
+  if (rows >= 8) rows = rows / 8 * 8;
+  const int64_t chunks = (m + rows - 1) / rows, even = (m + chunks - 1) / chunks;
+  return std::min(rows, rows >= 8 ? (even + 7) / 8 * 8 : even);
 }
 
 // Classes per slice of the recomputing path, a multiple of 8 (the buffer's
@@ -100,15 +105,16 @@ void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
   }
 }
 
-// out = a·b, or out += a·b with `accumulate`; out float32 or a's dtype. A K
-// that is no multiple of 8 is cut there and the last few columns added by a
-// second GEMM: at GPT-2's vocabulary (50,257, the K of the dX GEMMs) and
-// chunks of 1,639 tokens (the K of the dW GEMMs) the GPT-2-medium training
-// step took 73.2 ms with the three-GEMM head and 58.4 recomputing; cut, and
-// with chunks of multiples of 8, 56.8 and 53.2 (H100, b41c505 → ec3b77c).
+// out = a·b, or out += a·b with `accumulate`; out float32 or a's dtype.
+// Into float32, a K that is no multiple of 8 is cut there and the last few
+// columns added by a second GEMM (into 16 bits that would round twice): at
+// GPT-2's vocabulary (50,257, the K of the dX GEMMs) and chunks of 1,639
+// tokens (the K of the dW GEMMs) the GPT-2-medium training step took
+// 73.2 ms with the three-GEMM head and 58.4 recomputing; cut, and with
+// chunks of multiples of 8, 56.8 and 53.2 (H100, b41c505 → ec3b77c).
 void product(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
   const int64_t k = a.size(1), k8 = k / 8 * 8;
-  if (k % 8 != 0 && k8 > 0) {
+  if (k % 8 != 0 && k8 > 0 && out.scalar_type() == at::kFloat) {
     product(out, a.narrow(1, 0, k8), b.narrow(0, 0, k8), accumulate);
     product(out, a.narrow(1, k8, k - k8), b.narrow(0, k8, k - k8), true);
     return;
@@ -186,26 +192,41 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
 
 // In fp16, whose dW sums would overflow past 65504 unscaled, the forward's
 // gradients of a mean come scaled by 2^-⌊log2(count)/2⌋ ≈ 1/√count: dW's
-// sums stay within √count·|x|, and p_j/√count stays clear of fp16's
-// subnormals, where p_j/count (≈ 1/(V·count)) loses its digits. A power of
-// two rounds nothing; the backward divides by the rest of the count.
+// sums stay within √count·|x|, and p_j/√count keeps √count times more of
+// fp16's subnormal digits than p_j/count (≈ 1/(V·count)), which the
+// 2048-token test measured at 2x torch's dX error (0.21x now); at a million
+// tokens and V ~ 50k it too rounds to 0. A power of two rounds nothing
+// else; the backward divides by the rest of the count.
 bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
 Tensor prescale_of(const Tensor& count) { return at::exp2(-at::floor(at::log2(count) * 0.5)); }
 
 // cuBLAS may split K and reduce the partial sums in 16 bits (torch allows
 // it by default), rounding a logit twice; which shapes it does that for is
 // its heuristics' choice, so a slice of the vocabulary could get it where
-// torch's one GEMM of the whole did not. While this lives, bf16/fp16 GEMMs
-// reduce in float32 (split-K still allowed).
+// torch's one GEMM of the whole did not. While one of these lives, bf16/fp16
+// GEMMs reduce in float32 (split-K still allowed). The setting is the
+// process's: threads in the op at once share one save and restore (the
+// first in saves, the last out restores), and other threads' GEMMs meanwhile
+// reduce in float32 too.
 class FullPrecisionReduction {
  public:
-  FullPrecisionReduction() : bf16_(ctx().allowBF16ReductionCuBLAS()), fp16_(ctx().allowFP16ReductionCuBLAS()) {
-    ctx().setAllowBF16ReductionCuBLAS(false, splitk(bf16_));
-    ctx().setAllowFP16ReductionCuBLAS(false, splitk(fp16_));
+  FullPrecisionReduction() {
+    std::lock_guard<std::mutex> lock(mutex());
+    State& s = state();
+    if (s.depth++ == 0) {
+      s.bf16 = ctx().allowBF16ReductionCuBLAS();
+      s.fp16 = ctx().allowFP16ReductionCuBLAS();
+      ctx().setAllowBF16ReductionCuBLAS(false, splitk(s.bf16));
+      ctx().setAllowFP16ReductionCuBLAS(false, splitk(s.fp16));
+    }
   }
   ~FullPrecisionReduction() {
-    ctx().setAllowBF16ReductionCuBLAS(reduced(bf16_), splitk(bf16_));
-    ctx().setAllowFP16ReductionCuBLAS(reduced(fp16_), splitk(fp16_));
+    std::lock_guard<std::mutex> lock(mutex());
+    State& s = state();
+    if (--s.depth == 0) {
+      ctx().setAllowBF16ReductionCuBLAS(reduced(s.bf16), splitk(s.bf16));
+      ctx().setAllowFP16ReductionCuBLAS(reduced(s.fp16), splitk(s.fp16));
+    }
   }
   FullPrecisionReduction(const FullPrecisionReduction&) = delete;
   FullPrecisionReduction& operator=(const FullPrecisionReduction&) = delete;
@@ -215,7 +236,18 @@ class FullPrecisionReduction {
   static at::Context& ctx() { return at::globalContext(); }
   static bool reduced(Option o) { return o == Option::AllowReducedPrecisionWithSplitK; }
   static bool splitk(Option o) { return o != Option::DisallowReducedPrecisionDisallowSplitK; }
-  Option bf16_, fp16_;
+  struct State {
+    int depth = 0;
+    Option bf16{}, fp16{};
+  };
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static State& state() {
+    static State s;
+    return s;
+  }
 };
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
