@@ -129,6 +129,16 @@ void product(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
   }
 }
 
+// z = x·wᵀ (+ bias): the LM-head GEMM of the forward's chunks and of both
+// recomputing passes' slices.
+void logits_into(Tensor& z, const Tensor& x, const Tensor& w, const OptTensor& bias) {
+  if (bias) {
+    at::addmm_out(z, *bias, x, w.t());
+  } else {
+    at::mm_out(z, x, w.t());
+  }
+}
+
 // The forward's chunks of tokens: the per-row losses (m,) and log-sum-exps
 // (m,), and where `needs`, the gradients of the rows' sum into g.
 std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const OptTensor& bias, const Tensor& target,
@@ -140,15 +150,10 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
   const int64_t c = chunk_rows(m, n, chunk, reserve), ldp = (n + 7) / 8 * 8;
   Tensor buffer = at::empty({std::min(c, m), ldp}, x.options());
   Tensor db32 = needs[2] ? at::zeros({n}, x.options().dtype(at::kFloat)) : Tensor();
-  const Tensor wt = w.t();
   for (int64_t s = 0; s < m; s += c) {
     const int64_t len = std::min(c, m - s);
     Tensor xc = x.narrow(0, s, len), z = buffer.narrow(0, 0, len).narrow(1, 0, n);
-    if (bias) {
-      at::addmm_out(z, *bias, xc, wt);
-    } else {
-      at::mm_out(z, xc, wt);
-    }
+    logits_into(z, xc, w, bias);
     CrossEntropyArgs a = ce_args(z, ldp, target, s, p);
     a.write_grad = needs[0] || needs[1] || needs[2];
     a.grad_scale = grad_scale;
@@ -170,6 +175,18 @@ Tensor target_of(const Tensor& target, int64_t m) {
   expect(target.numel() == m && (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
          "linear_cross_entropy: target must be int64 (or int32) with one class per row of x");
   return target.reshape({m}).to(at::kLong).contiguous();
+}
+
+// x as rows (M, D) and W (V, D), both contiguous, checked for the op `op`.
+std::pair<Tensor, Tensor> head_operands(const Tensor& x_, const Tensor& weight, const char* op) {
+  Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0, "coda: ", op,
+              ": weight must be (V, D), V > 0, for x (..., D)");
+  return {x, w};
+}
+
+void expect_reduction(int64_t reduction) {
+  expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
 }
 
 // The rows a mean divides by (at least 1: all ignored, the gradients stay 0), float32, on the device.
@@ -261,10 +278,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
   FullPrecisionReduction full_precision;
-  expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
-  Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
-  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
-         "linear_cross_entropy: weight must be (V, D), V > 0, for x (..., D)");
+  expect_reduction(reduction);
+  auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0);
   Tensor target = target_of(target_, m);
   if (reduction == kNone) needs = {false, false, false};
@@ -294,12 +309,8 @@ int64_t recompute_cols(const Tensor& x, const Tensor& w, int64_t chunk) {
 // first len columns: one call for the forward and the backward, so that
 // both run the same GEMM on the same operands.
 Tensor slice_logits(Tensor& buffer, const Tensor& x, const Tensor& w, const OptTensor& bias, int64_t v0, int64_t len) {
-  Tensor z = buffer.narrow(1, 0, len), wt = w.narrow(0, v0, len).t();
-  if (bias) {
-    at::addmm_out(z, bias->narrow(0, v0, len), x, wt);
-  } else {
-    at::mm_out(z, x, wt);
-  }
+  Tensor z = buffer.narrow(1, 0, len);
+  logits_into(z, x, w.narrow(0, v0, len), bias ? OptTensor(bias->narrow(0, v0, len)) : std::nullopt);
   return z;
 }
 
@@ -311,10 +322,8 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
                                                        int64_t reduction, int64_t chunk) {
   c10::cuda::CUDAGuard guard(x_.device());
   FullPrecisionReduction full_precision;
-  expect(reduction >= kNone && reduction <= kSum, "linear_cross_entropy: reduction code must be 0, 1 or 2");
-  Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
-  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
-         "linear_cross_entropy: weight must be (V, D), V > 0, for x (..., D)");
+  expect_reduction(reduction);
+  auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0), n = w.size(0);
   Tensor target = target_of(target_, m), loss = f32({m}, x), lse = f32({m}, x);
   const int64_t cols = recompute_cols(x, w, chunk);
@@ -344,10 +353,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
   FullPrecisionReduction full_precision;
-  Tensor x = x_.reshape({-1, x_.size(-1)}).contiguous(), w = weight.contiguous();
+  auto [x, w] = head_operands(x_, weight, "linear_cross_entropy_backward");
   const int64_t m = x.size(0), n = w.size(0);
-  expect(w.dim() == 2 && w.size(1) == x.size(1) && w.size(0) > 0,
-         "linear_cross_entropy_backward: weight must be (V, D), V > 0, for x (..., D)");
   expect(lse.numel() == m && lse.scalar_type() == at::kFloat,
          "linear_cross_entropy_backward: lse must be float32 with one value per row of x");
   Tensor target = target_of(target_, m), l = lse.reshape({m}).contiguous();
