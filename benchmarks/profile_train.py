@@ -43,43 +43,35 @@ def category(name: str) -> str:
 
 
 def profile_impl(spec: train.ModelSpec, impl: str, s: train.Settings, steps: int) -> dict:
-    model = train.IMPL_FNS[impl](train.build(spec, s))
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.gpu)
-    data = train.batches(spec.config["vocab_size"], s)
-
-    def step(ids):
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for ids in data[:s.warmup_steps]:
-        step(ids)
+    t = train.Trainer(spec, impl, train.batches(spec.config["vocab_size"], s), s)
     sync = torch.cuda.synchronize if s.gpu else (lambda: None)
-    sync()
     activity = torch.profiler.ProfilerActivity.CUDA if s.gpu else torch.profiler.ProfilerActivity.CPU
-    timed = data[s.warmup_steps:s.warmup_steps + steps]
-    with torch.profiler.profile(activities=[activity]) as prof:
-        t0 = time.perf_counter()
-        for ids in timed:
-            step(ids)
+    with t.scope():  # Liger's module globals, where it patched them
+        for _ in range(s.warmup_steps):
+            t.step()
         sync()
-        wall_ms = (time.perf_counter() - t0) * 1e3 / len(timed)
+        with torch.profiler.profile(activities=[activity]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                t.step()
+            sync()
+            wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     kind = torch.autograd.DeviceType.CUDA if s.gpu else torch.autograd.DeviceType.CPU
     events = [e for e in prof.events() if e.device_type == kind and e.time_range.elapsed_us() > 0]
     if not s.gpu:  # CPU ops nest: keep the outermost of each stack only
         events = [e for e in events if e.cpu_parent is None]
     by_cat, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
-        us = e.time_range.elapsed_us() / len(timed)
+        us = e.time_range.elapsed_us() / steps
         by_cat[category(e.name)] += us
         by_name[e.name[:120]] += us
         count[category(e.name)] += 1
     busy = sum(by_cat.values())
-    del model, opt
+    del t
     train._free()
     return {"model": spec.name, "impl": impl, "wall_ms": round(wall_ms, 3), "busy_ms": round(busy / 1e3, 3),
             "by_category_ms": {c: round(v / 1e3, 3) for c, v in by_cat.most_common()},
-            "kernels_per_step": {c: n // len(timed) for c, n in count.items()},
+            "kernels_per_step": {c: n // steps for c, n in count.items()},
             "top_kernels_ms": [[n, round(v / 1e3, 3)] for n, v in by_name.most_common(15)]}
 
 

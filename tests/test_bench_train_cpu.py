@@ -134,3 +134,51 @@ def test_liger_leaves_no_patch_behind():
     modeling_llama.LlamaForCausalLM.forward = None
     saved.restore()
     assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP, modeling_llama.LlamaForCausalLM.forward) == before
+
+
+def test_rounds_interleave_the_impls(monkeypatch, tmp_path):
+    # --rounds 2: both impls built and warmed up in turn, then the second round starts at coda;
+    # every impl takes the same steps (1 warm-up, 2 + 2 timed, 1 untimed in round 2) on the same batches
+    _cpu_only(monkeypatch)
+    order = []
+    train_round = train.Trainer.train
+
+    def spy(self, untimed, timed, last):
+        order.append((self.impl, untimed, timed))
+        return train_round(self, untimed, timed, last)
+
+    monkeypatch.setattr(train.Trainer, "train", spy)
+    assert cli.main(["--models", "llama1b", "--impls", "hf,coda", "--rounds", "2", "--steps", "4",
+                     "--out", str(tmp_path), "--no-plot"]) == 0
+    assert order == [("hf", 1, 2), ("coda", 1, 2), ("coda", 1, 2), ("hf", 1, 2)]
+    data = json.load(open(glob.glob(os.path.join(tmp_path, "*-train-*.json"))[0]))
+    assert data["settings"]["rounds"] == 2 and "2 rounds of the impls in turn" in data["timer"]
+    rows = {r["impl"]: r for r in data["results"]}
+    for r in rows.values():
+        assert r["steps_timed"] == 4 and r["rounds"] == 2 and len(r["round_ms"]) == 2
+    curves = data["loss_curves"][CASES["llama"]]
+    assert len(curves["hf"]) == 6
+    if HAS_CODA_HF:
+        assert all(abs(a - b) < 1e-2 for a, b in zip(curves["coda"], curves["hf"])), curves
+
+
+def test_round_sizes():
+    assert train.round_sizes(20, 4) == [5, 5, 5, 5]
+    assert train.round_sizes(7, 3) == [3, 2, 2]
+    assert train.round_sizes(2, 4) == [1, 1]
+    assert train.round_sizes(5, 1) == [5]
+
+
+def test_liger_globals_are_swapped_in_for_its_own_steps():
+    # Liger rebinds modeling_llama.apply_rotary_pos_emb, which every Llama calls at run time: its
+    # model trains with it, and the impls beside it with the original
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    original = modeling_llama.apply_rotary_pos_emb
+    g = train._LigerGlobals(modeling_llama)
+    modeling_llama.apply_rotary_pos_emb = replacement = lambda *a: a
+    g.keep()
+    g.restore()
+    assert modeling_llama.apply_rotary_pos_emb is original
+    with g.patched():
+        assert modeling_llama.apply_rotary_pos_emb is replacement
+    assert modeling_llama.apply_rotary_pos_emb is original

@@ -5,10 +5,11 @@ and a GPT-2-medium-shaped GPT2LMHeadModel, random weights from their configs, tr
 for --warmup-steps untimed and --steps timed steps on random tokens (batch 4 x 2048,
 bf16 weights, fused AdamW) with each impl: hf (Hugging Face, SDPA attention), liger
 (Liger-Kernel's patch, where installed; none for GPT-2), compile (torch.compile),
-coda (coda.hf.patch) and coda_compile (both). It prints per impl its median step
+coda (coda.hf.patch) and coda_compile (both), side by side: the timed steps go in
+--rounds rounds of the impls in turn (4 on the GPU). It prints per impl its median step
 time, tokens/s, the ratio to hf, peak memory and last loss; `--out DIR` writes
-DIR/<date>-<device>-train-<commit>.json (rewritten after each impl: a run cut short
-keeps what it timed) and, where matplotlib is installed, a .png of the same name
+DIR/<date>-<device>-train-<commit>.json (rewritten after each impl and round: a run cut
+short keeps what it timed) and, where matplotlib is installed, a .png of the same name
 (tokens/s, peak memory, the loss curves). Without a GPU on which coda's kernels run,
 it says so and trains tiny configs on the CPU in float32.
 
@@ -92,17 +93,22 @@ def gpu_here() -> Tuple[bool, str]:
 
 # the kernel-level flags (any one given implies --kernels) with their defaults, and the training comparison's
 KERNEL_DEFAULTS = {"only": ["block"], "tokens": None, "dims": None, "sweep_shapes": False, "dtype": "bfloat16",
-                   "warmup_ms": 25, "rep_ms": 100, "rounds": 5, "host_reps": 20}
+                   "warmup_ms": 25, "rep_ms": 100, "host_reps": 20}
+KERNEL_ROUNDS = 5
 TRAIN_FLAGS = ("models", "impls", "steps", "warmup_steps", "batch", "seq", "max_seconds", "budget_seconds", "no_plot")
 TRAIN_MODELS = ("llama1b", "gpt2medium")
-TRAIN_GPU = {"steps": 20, "warmup_steps": 3, "batch": 4, "seq": 2048}
-TRAIN_CPU = {"steps": 2, "warmup_steps": 1, "batch": 2, "seq": 64}
+TRAIN_GPU = {"steps": 20, "warmup_steps": 3, "batch": 4, "seq": 2048, "rounds": 4}
+TRAIN_CPU = {"steps": 2, "warmup_steps": 1, "batch": 2, "seq": 64, "rounds": 1}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m coda.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write the stamped results file (and the training comparison's plot) into this folder")
+    p.add_argument("--rounds", type=int, help="rounds of the impls in turn, each starting one impl further along "
+                                              "(default: 5 for the kernel-level benchmarks; the training comparison "
+                                              "splits its timed steps over 4 on the GPU, its models side by side, "
+                                              "and 1 on the CPU: one model at a time)")
     t = p.add_argument_group("the training comparison (the default)")
     t.add_argument("--models", type=_models, metavar="llama1b,gpt2medium",
                    help=f"comma-separated, of {', '.join(train.MODELS)} (default: llama1b,gpt2medium; on the CPU "
@@ -137,7 +143,6 @@ def parser() -> argparse.ArgumentParser:
                    help="on the GPU (the CPU runs float32); coda's norm kernels are bf16 only (default: bfloat16)")
     k.add_argument("--warmup-ms", type=float, help="do_bench's warm-up per timing (default: 25)")
     k.add_argument("--rep-ms", type=float, help="do_bench's timed window per timing (default: 100)")
-    k.add_argument("--rounds", type=int, help="rounds of each case's impls in turn (default: 5)")
     k.add_argument("--host-reps", type=int, help="steps the host time is the median of (default: 20)")
     return p
 
@@ -154,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for k, v in KERNEL_DEFAULTS.items():
             if getattr(args, k) is None:
                 setattr(args, k, v)
+        args.rounds = args.rounds or KERNEL_ROUNDS
         return kernels(args)
     return training(args)
 
@@ -176,7 +182,7 @@ def training(args: argparse.Namespace) -> int:
         device, dtype = "cuda", torch.bfloat16
         print(f"coda.bench on {torch.cuda.get_device_name()}: training {','.join(models)}, batch {args.batch} x "
               f"{args.seq} tokens, bf16 weights, fused AdamW, {args.warmup_steps} warm-up + {args.steps} timed steps "
-              f"per impl", flush=True)
+              f"per impl in {len(train.round_sizes(args.steps, args.rounds))} rounds", flush=True)
     else:
         device, dtype = "cpu", torch.float32
         models = list(dict.fromkeys(train.TINY.get(m, m) for m in models))
@@ -185,9 +191,10 @@ def training(args: argparse.Namespace) -> int:
               f"per impl).", flush=True)
     s = train.Settings(models=models, impls=args.impls or list(train.IMPLS), steps=args.steps,
                        warmup_steps=args.warmup_steps, batch=args.batch, seq=args.seq, device=device, dtype=dtype,
-                       max_seconds=args.max_seconds or 0.0, budget_seconds=args.budget_seconds or 0.0)
-    if s.steps < 1 or s.warmup_steps < 0 or s.batch < 1 or s.seq < 2:
-        print("coda.bench: --steps, --batch must be at least 1, --seq 2, --warmup-steps 0", file=sys.stderr)
+                       max_seconds=args.max_seconds or 0.0, budget_seconds=args.budget_seconds or 0.0,
+                       rounds=args.rounds)
+    if s.steps < 1 or s.warmup_steps < 0 or s.batch < 1 or s.seq < 2 or s.rounds < 1:
+        print("coda.bench: --steps, --batch, --rounds must be at least 1, --seq 2, --warmup-steps 0", file=sys.stderr)
         return 2
     # both models: <date>-<device>-train-<commit>.json; a run of one (a call per model) names it
     kind = "train" if args.models in (None, list(TRAIN_MODELS)) else "train-" + "-".join(models)

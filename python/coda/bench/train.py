@@ -18,17 +18,26 @@ and zero_grad(set_to_none=True). The data are random tokens, the same batches fo
 impl, drawn from the first eighth of the vocabulary (every id stays in the softmax), so
 that the loss has somewhere to fall: from about ln(vocab) towards ln(vocab / 8).
 
-Per impl: the warm-up steps (torch.compile compiles there) are not timed; each timed
-step is timed by CUDA events around it (the host runs at most one step ahead, as a loop
-that logs its loss does), median_ms the median; tokens_per_s = batch·seq / median;
-peak_gib torch.cuda.max_memory_allocated over the timed steps (weights, gradients and
-optimizer states included), reset after the warm-up; the loss of every step, warm-up
-included. Without a GPU on which coda's kernels run, a tiny LLaMA and GPT-2 train on the
-CPU in float32 for a couple of steps, so that the command works everywhere.
+The impls train side by side: each model's impls are built in turn (each while the ones
+before it hold their weights and optimizer states), and the timed steps are split into
+rounds of the impls in turn, each round starting one impl further along (a GPU's clock,
+power and temperature drift over a minute: every impl gets its share of each state). In
+the first round each impl runs the warm-up steps (torch.compile compiles there), untimed,
+then its timed steps; each later round, one untimed step, then its timed steps. Each
+timed step is timed by CUDA events around it (the host runs at most one step ahead, as a
+loop that logs its loss does); median_ms is the median over all rounds' timed steps
+(round_ms: each round's), tokens_per_s = batch·seq / median; peak_gib is
+torch.cuda.max_memory_allocated over the first round's timed steps less what the other
+impls' models held meanwhile (its own weights, gradients and optimizer states included);
+the loss of every step, untimed ones included: every impl takes the same steps on the
+same batches. --rounds 1 builds, times and frees one impl at a time. Without a GPU on
+which coda's kernels run, a tiny LLaMA and GPT-2 train on the CPU in float32 for a couple
+of steps, so that the command works everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import math
@@ -104,6 +113,7 @@ class Settings:
     dtype: torch.dtype
     max_seconds: float = 0.0     # per impl: no timed step starts past it (0: no limit)
     budget_seconds: float = 0.0  # the whole run: no impl starts past it (0: no limit)
+    rounds: int = 1              # the timed steps split over this many rounds of the impls in turn
     lr: float = LR
     seed: int = SEED
 
@@ -123,8 +133,7 @@ class Skip(Exception):
 
 
 def _compile(model):
-    torch._dynamo.reset()  # nothing left from an earlier impl's graphs
-    return torch.compile(model)
+    return torch.compile(model)  # the run resets dynamo between models, not between impls that train side by side
 
 
 def _coda_patch(model, **options):
@@ -137,12 +146,20 @@ def _coda_patch(model, **options):
 
 
 class _LigerGlobals:
-    """apply_liger_kernel_to_llama also rebinds modeling_llama's module globals (RMSNorm, MLP,
-    apply_rotary_pos_emb): put them back afterwards, so the impls that follow build plain models."""
+    """apply_liger_kernel_to_llama rebinds modeling_llama's module globals: the classes later
+    builds take (RMSNorm, MLP) and apply_rotary_pos_emb, which every Llama model calls at run
+    time. Kept both ways: the originals back for the impls built and trained beside it, Liger's
+    swapped in while its own model trains (`patched()`)."""
 
     def __init__(self, module):
         self.module, self.saved = module, dict(vars(module))
         self.forward = getattr(module, "LlamaForCausalLM").forward
+        self.patch: Dict[str, object] = {}
+
+    def keep(self):
+        """Records what the patch changed (call once it has run)."""
+        self.patch = {k: v for k, v in vars(self.module).items() if self.saved.get(k, _MISSING) is not v}
+        self.patch_forward = self.module.LlamaForCausalLM.forward
 
     def restore(self):
         for name, value in self.saved.items():
@@ -150,8 +167,19 @@ class _LigerGlobals:
                 setattr(self.module, name, value)
         self.module.LlamaForCausalLM.forward = self.forward
 
+    @contextlib.contextmanager
+    def patched(self):
+        for name, value in self.patch.items():
+            setattr(self.module, name, value)
+        self.module.LlamaForCausalLM.forward = self.patch_forward
+        try:
+            yield
+        finally:
+            self.restore()
 
-_liger_restore: List[Callable[[], None]] = []
+
+_MISSING = object()
+_liger_globals: List[_LigerGlobals] = []  # the latest build's, taken by its Trainer
 
 
 def _liger(model):
@@ -167,14 +195,20 @@ def _liger(model):
         raise Skip(f"Liger-Kernel has no patch for {model_type}")
     if model_type == "llama":
         from transformers.models.llama import modeling_llama
-        _liger_restore.append(_LigerGlobals(modeling_llama).restore)
-    apply(model=model)  # its defaults: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
+        _liger_globals.append(_LigerGlobals(modeling_llama))
+    try:
+        apply(model=model)  # its defaults: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
+    finally:
+        for g in _liger_globals:
+            g.keep()
+            g.restore()
     return model
 
 
-def _liger_undo():
-    while _liger_restore:
-        _liger_restore.pop()()
+def _take_globals() -> List[_LigerGlobals]:
+    taken = list(_liger_globals)
+    _liger_globals.clear()
+    return taken
 
 
 IMPL_FNS: Dict[str, Callable] = {
@@ -187,7 +221,7 @@ IMPL_FNS: Dict[str, Callable] = {
 }
 
 
-# ---- building, data, one impl's run
+# ---- building, data, one impl's training
 
 def build(spec: ModelSpec, s: Settings):
     """A fresh model from the seed: the same initial weights for every impl."""
@@ -198,12 +232,19 @@ def build(spec: ModelSpec, s: Settings):
     return model.to(s.dtype).train()
 
 
+def round_sizes(steps: int, rounds: int) -> List[int]:
+    """The timed steps of each round: `steps` as evenly as they go over at most `rounds` rounds."""
+    r = max(1, min(rounds, steps))
+    return [steps // r + (1 if i < steps % r else 0) for i in range(r)]
+
+
 def batches(vocab: int, s: Settings) -> List[torch.Tensor]:
-    """warm-up + timed steps of (batch, seq) token ids, from their own generator: the same for every impl."""
+    """Every step's (batch, seq) token ids (warm-up, timed, one untimed step per later round),
+    from their own generator: the same for every impl."""
     g = torch.Generator().manual_seed(s.seed + 1)
     high = max(vocab // DATA_FRACTION, 2)
-    return [torch.randint(0, high, (s.batch, s.seq), generator=g).to(s.device)
-            for _ in range(s.warmup_steps + s.steps)]
+    n = s.warmup_steps + s.steps + len(round_sizes(s.steps, s.rounds)) - 1
+    return [torch.randint(0, high, (s.batch, s.seq), generator=g).to(s.device) for _ in range(n)]
 
 
 class Progress:
@@ -243,76 +284,132 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def run_impl(spec: ModelSpec, impl: str, data: List[torch.Tensor], s: Settings) -> Dict:
-    """One impl on one model: the row (timings, memory, losses). Raises Skip or the failure."""
-    t_start = time.perf_counter()
-    model = IMPL_FNS[impl](build(spec, s))
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.gpu)
-    setup_s = time.perf_counter() - t_start
+class Trainer:
+    """One impl on one model, kept from round to round: the model, its optimizer, the next batch,
+    the losses and each round's step times. Built while the impls before it hold their models
+    (weights and optimizer states): its peak memory is counted above what they held."""
 
-    def step(ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=ids, labels=ids).loss
+    def __init__(self, spec: ModelSpec, impl: str, data: List[torch.Tensor], s: Settings,
+                 bar: Optional[Progress] = None):
+        self.spec, self.impl, self.data, self.s, self.bar = spec, impl, data, s, bar
+        self.base = torch.cuda.memory_allocated() if s.gpu else 0
+        t0 = time.perf_counter()
+        try:
+            model = IMPL_FNS[impl](build(spec, s))
+        finally:
+            self.globals = _take_globals()  # Liger's module globals, swapped in while this one trains
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=s.lr, fused=s.gpu)
+        self.setup_s = time.perf_counter() - t0
+        self.own_s = self.setup_s  # its setup and steps, summed over the rounds (for --max-seconds)
+        self.warmup_s = self.timed_s = 0.0
+        self.next = 0
+        self.losses: List[float] = []
+        self.rounds: List[List[float]] = []  # the timed steps' times (ms), per round
+        self.peak_gib: Optional[float] = None
+        self.stopped = False  # past --max-seconds: no more timed steps
+
+    @contextlib.contextmanager
+    def scope(self):
+        """While this impl trains: the module globals its patch set (Liger's), the originals after."""
+        with contextlib.ExitStack() as stack:
+            for g in self.globals:
+                stack.enter_context(g.patched())
+            yield
+
+    def step(self) -> torch.Tensor:
+        """One training step on the next batch (inside scope()); its loss, not read."""
+        ids = self.data[self.next]
+        self.next += 1
+        loss = self.model(input_ids=ids, labels=ids).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    bar = Progress(len(data), f"{spec.name} {impl}")
-    losses: List[float] = []
-    try:
-        for ids in data[:s.warmup_steps]:  # compiles, creates the optimizer's states
-            losses.append(step(ids).item())
-            bar.update(losses[-1], "warm-up")
-        if s.gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        warmup_s = time.perf_counter() - t_start - setup_s
-        t_timed = time.perf_counter()
-        pending: List[torch.Tensor] = []  # losses not read yet: the host stays one step ahead at most
-        events = []
-        times: List[float] = []
-        for i, ids in enumerate(data[s.warmup_steps:]):
-            if s.gpu:
+    def train(self, untimed: int, timed: int, last: bool) -> None:
+        """`untimed` steps (the warm-up in the first round, where torch.compile compiles; one in each
+        later round), then `timed` steps, each timed by CUDA events around it (the host runs at most
+        one step ahead, as a loop that logs its loss does). The first round also takes the peak
+        memory of its timed steps."""
+        t0 = time.perf_counter()
+        first = not self.rounds
+        phase = "warm-up" if first else "untimed"
+        with self.scope():
+            for _ in range(untimed):
+                self.losses.append(self.step().item())
+                self._progress(f"{self.impl} {phase}")
+            if self.s.gpu:
+                torch.cuda.synchronize()
+                if first:
+                    torch.cuda.reset_peak_memory_stats()
+            t_timed = time.perf_counter()
+            if first:
+                self.warmup_s = t_timed - t0
+            times = self._timed(timed, t0, last)
+            if first and self.s.gpu:
+                self.peak_gib = (torch.cuda.max_memory_allocated() - self.base) / 2**30
+        self.rounds.append(times)
+        self.timed_s += time.perf_counter() - t_timed
+        self.own_s += time.perf_counter() - t0
+
+    def _timed(self, n: int, t0: float, last: bool) -> List[float]:
+        pending: List[torch.Tensor] = []  # losses not read yet
+        events, times = [], []
+        for i in range(n):
+            if self.s.gpu:
                 ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 ev[0].record()
-                pending.append(step(ids))
+                pending.append(self.step())
                 ev[1].record()
                 events.append(ev)
             else:
-                t0 = time.perf_counter()
-                pending.append(step(ids))
-                times.append((time.perf_counter() - t0) * 1e3)
+                t = time.perf_counter()
+                pending.append(self.step())
+                times.append((time.perf_counter() - t) * 1e3)
             while len(pending) > 1:
-                losses.append(pending.pop(0).item())
-                bar.update(losses[-1], "timed")
-            if s.max_seconds and time.perf_counter() - t_start > s.max_seconds and i + 1 < s.steps:
-                print(f"\n  {spec.name} {impl}: past --max-seconds {s.max_seconds:g} after {i + 1} timed steps",
-                      file=sys.stderr, flush=True)
+                self.losses.append(pending.pop(0).item())
+                self._progress(f"{self.impl} timed")
+            if self.s.max_seconds and self.own_s + time.perf_counter() - t0 > self.s.max_seconds:
+                self.stopped = True
+                if i + 1 < n or not last:
+                    print(f"\n  {self.spec.name} {self.impl}: past --max-seconds {self.s.max_seconds:g} after "
+                          f"{sum(map(len, self.rounds)) + i + 1} timed steps", file=sys.stderr, flush=True)
                 break
         while pending:
-            losses.append(pending.pop(0).item())
-            bar.update(losses[-1], "timed")
-        if s.gpu:
+            self.losses.append(pending.pop(0).item())
+            self._progress(f"{self.impl} timed")
+        if self.s.gpu:
             torch.cuda.synchronize()
             times = [a.elapsed_time(b) for a, b in events]
-        timed_s = time.perf_counter() - t_timed
-    finally:
-        bar.close()
-    median = statistics.median(times)
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
-    row = {
-        "case": case_name(spec.name, s.batch, s.seq), "impl": impl, "model": spec.name,
-        "median_ms": median, "p20_ms": q[1], "p80_ms": q[7], "step_ms": [round(t, 3) for t in times],
-        "tokens_per_s": s.batch * s.seq / (median / 1e3),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if s.gpu else None,
-        "last_loss": losses[-1], "loss": losses,
-        "steps_timed": len(times), "warmup_steps": s.warmup_steps,
-        "params": sum(p.numel() for p in model.parameters()),
-        "setup_s": round(setup_s, 2), "warmup_s": round(warmup_s, 2), "timed_s": round(timed_s, 2),
-    }
-    if not all(math.isfinite(v) for v in losses):
-        row["note"] = "non-finite loss"
-    return row
+        return times
+
+    def _progress(self, phase: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.losses[-1], phase)
+
+    def row(self) -> Dict:
+        """Its results row: the median over every round's timed steps, each round's median beside."""
+        s = self.s
+        times = [t for r in self.rounds for t in r]
+        median = statistics.median(times)
+        q = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+        row = {
+            "case": case_name(self.spec.name, s.batch, s.seq), "impl": self.impl, "model": self.spec.name,
+            "median_ms": median, "p20_ms": q[1], "p80_ms": q[7],
+            "round_ms": [round(statistics.median(r), 3) for r in self.rounds if r],
+            "step_ms": [round(t, 3) for t in times],
+            "tokens_per_s": s.batch * s.seq / (median / 1e3),
+            "peak_gib": self.peak_gib,
+            "last_loss": self.losses[-1], "loss": list(self.losses),
+            "steps_timed": len(times), "rounds": len(self.rounds), "warmup_steps": s.warmup_steps,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "setup_s": round(self.setup_s, 2), "warmup_s": round(self.warmup_s, 2), "timed_s": round(self.timed_s, 2),
+            "impl_s": round(self.own_s, 2),
+        }
+        if not all(math.isfinite(v) for v in self.losses):
+            row["note"] = "non-finite loss"
+        return row
 
 
 # ---- the run
@@ -324,8 +421,9 @@ class Outcome:
 
 
 def run(s: Settings, after_impl: Optional[Callable[[Outcome], None]] = None) -> Outcome:
-    """Every model x impl of s in turn; after_impl(outcome) after each (a results file rewritten
-    there keeps what was timed when the run is cut short)."""
+    """Every model of s, its impls side by side in rounds; after_impl(outcome) after each impl's
+    first round and after each later round (a results file rewritten there keeps what was timed
+    when the run is cut short)."""
     import transformers
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # config notes, once per build of every impl
@@ -338,41 +436,82 @@ def run(s: Settings, after_impl: Optional[Callable[[Outcome], None]] = None) -> 
 def _run(s: Settings, after_impl: Optional[Callable[[Outcome], None]]) -> Outcome:
     out = Outcome()
     t_run = time.perf_counter()
+    report = after_impl or (lambda _: None)
+
+    def spent() -> bool:
+        return bool(s.budget_seconds) and time.perf_counter() - t_run > s.budget_seconds
+
     for name in s.models:
         spec = MODELS[name]
         case = case_name(spec.name, s.batch, s.seq)
         data = batches(spec.config["vocab_size"], s)
-        for impl in s.impls:
-            t0 = time.perf_counter()
-            if s.budget_seconds and t0 - t_run > s.budget_seconds:
-                reason = f"the run's --budget-seconds {s.budget_seconds:g} was spent"
-            else:
-                reason = None
+        sizes = round_sizes(s.steps, s.rounds)
+        trainers: Dict[str, Trainer] = {}
+        rows: Dict[str, Dict] = {}  # each impl's row, as of its latest round
+
+        def publish() -> None:
+            out.results[:] = [r for r in out.results if r["case"] != case] + list(rows.values())
+            _speedups(out, case)
+            report(out)
+
+        def drop(impl: str, reason: str) -> None:
+            out.skipped.append({"case": case, "impl": impl, "model": spec.name, "reason": reason})
+            print(f"  {spec.name:<12} {impl:<13} skipped: {reason}", flush=True)
+            report(out)
+
+        torch._dynamo.reset()  # nothing left from an earlier model's graphs
+        bar = Progress(len(s.impls) * len(data), spec.name)
+        try:
+            # round 1: each impl built, warmed up and timed in turn; its model stays for the later rounds
+            for impl in s.impls:
+                if spent():
+                    drop(impl, f"the run's --budget-seconds {s.budget_seconds:g} was spent")
+                    continue
+                t = None
                 try:
-                    row = run_impl(spec, impl, data, s)
+                    t = Trainer(spec, impl, data, s, bar)
+                    t.train(s.warmup_steps, sizes[0], last=len(sizes) == 1)
+                    trainers[impl] = t
                 except Skip as e:
-                    reason = str(e)
+                    drop(impl, str(e))
                 except Exception as e:  # an OOM, a failing patch: reported, and the run goes on
-                    reason = why(e)
-                finally:
-                    _liger_undo()
-                    if impl.endswith("compile"):
-                        torch._dynamo.reset()
+                    drop(impl, why(e))
+                if impl not in trainers:
+                    del t
                     _free()
-            took = time.perf_counter() - t0
-            if reason is None:
-                row["impl_s"] = round(took, 2)
-                out.results.append(row)
-                _speedups(out, case)
-                peak = f"{row['peak_gib']:.2f} GiB peak, " if row["peak_gib"] is not None else ""
-                print(f"  {spec.name:<12} {impl:<13} {row['median_ms']:9.2f} ms/step  {row['tokens_per_s']:10.0f} tok/s  "
-                      f"{peak}loss {row['last_loss']:.4f}  ({took:.1f} s: setup {row['setup_s']:.1f}, warm-up "
-                      f"{row['warmup_s']:.1f}, {row['steps_timed']} steps {row['timed_s']:.1f})", flush=True)
-            else:
-                out.skipped.append({"case": case, "impl": impl, "model": spec.name, "reason": reason})
-                print(f"  {spec.name:<12} {impl:<13} skipped: {reason} ({took:.1f} s)", flush=True)
-            if after_impl is not None:
-                after_impl(out)
+                    continue
+                r = rows[impl] = t.row()
+                peak = f"{r['peak_gib']:.2f} GiB peak, " if r["peak_gib"] is not None else ""
+                print(f"  {spec.name:<12} {impl:<13} {r['median_ms']:9.2f} ms/step  {r['tokens_per_s']:10.0f} tok/s  "
+                      f"{peak}loss {r['last_loss']:.4f}  (round 1 of {len(sizes)}: setup {r['setup_s']:.1f} s, "
+                      f"warm-up {r['warmup_s']:.1f} s, {r['steps_timed']} steps {r['timed_s']:.1f} s)", flush=True)
+                if len(sizes) == 1:  # one round: nothing to keep it for
+                    del trainers[impl], t
+                    _free()
+                publish()
+            # the later rounds: one untimed step, then the round's timed steps, each round one impl further along
+            for k in range(1, len(sizes)):
+                if spent():
+                    print(f"  {spec.name}: the run's --budget-seconds {s.budget_seconds:g} was spent after round {k}",
+                          flush=True)
+                    break
+                order = list(trainers)
+                for impl in order[k % max(len(order), 1):] + order[:k % max(len(order), 1)]:
+                    if trainers[impl].stopped:
+                        continue
+                    try:
+                        trainers[impl].train(1, sizes[k], last=k + 1 == len(sizes))
+                        rows[impl] = trainers[impl].row()
+                    except Exception as e:
+                        del trainers[impl], rows[impl]
+                        _free()
+                        drop(impl, f"round {k + 1}: {why(e)}")
+                publish()
+        finally:
+            bar.close()
+            trainers.clear()
+            torch._dynamo.reset()
+            _free()
         del data
     print(f"coda.bench: {len(out.results)} impls trained, {len(out.skipped)} skipped, in "
           f"{time.perf_counter() - t_run:.1f} s", flush=True)
@@ -414,13 +553,16 @@ def print_table(out: Outcome) -> None:
 
 def payload(s: Settings, out: Outcome) -> Dict:
     """What the results file holds besides its stamp."""
-    timer = (f"CUDA events around each step, median over {s.steps} timed steps after {s.warmup_steps} warm-up steps"
-             if s.gpu else f"perf_counter per step, median over {s.steps} steps after {s.warmup_steps} warm-up steps")
+    rounds = len(round_sizes(s.steps, s.rounds))
+    how = (f"median over {s.steps} timed steps in {rounds} rounds of the impls in turn, after {s.warmup_steps} "
+           f"warm-up steps and one untimed step per later round" if rounds > 1 else
+           f"median over {s.steps} timed steps after {s.warmup_steps} warm-up steps")
+    timer = f"CUDA events around each step, {how}" if s.gpu else f"perf_counter per step, {how}"
     return {
         "job": "train",
         "timed_on": s.device, "dtype": str(s.dtype).replace("torch.", ""),
         "settings": {"models": list(s.models), "impls": list(s.impls), "steps": s.steps,
-                     "warmup_steps": s.warmup_steps, "batch": s.batch, "seq": s.seq, "lr": s.lr, "seed": s.seed,
+                     "warmup_steps": s.warmup_steps, "rounds": s.rounds, "batch": s.batch, "seq": s.seq, "lr": s.lr, "seed": s.seed,
                      "optimizer": f"torch.optim.AdamW(lr={s.lr:g}, fused={s.gpu})",
                      "data": f"uniform random ids below vocab // {DATA_FRACTION}, the same for every impl",
                      "max_seconds": s.max_seconds, "budget_seconds": s.budget_seconds},
