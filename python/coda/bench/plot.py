@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from .train import round_sizes
+
 # hf wide and pale beneath the others: curves that agree lie on it, one that strays shows
 STYLES = {"hf": dict(lw=3.0, alpha=0.45), "liger": dict(lw=1.2, ls="--"), "compile": dict(lw=1.2, ls="-."),
           "coda": dict(lw=1.4), "coda_compile": dict(lw=1.2, ls=":")}
@@ -58,14 +60,20 @@ def plot(data: Dict, png: str) -> Optional[str]:
         for impl, values in curves.get(case, {}).items():
             loss.plot(range(len(values)), values, label=impl, color=COLORS.get(impl, "#9467bd"),
                       **STYLES.get(impl, dict(lw=1.2)))
-        if warmup:
-            loss.axvline(warmup - 0.5, color="#bbbbbb", ls="--", lw=0.8)
-        loss.set_xlabel(f"step (the first {warmup} untimed)" if warmup else "step")
+        # each later round begins with one untimed step: a dashed line before it
+        sizes = round_sizes(case_rows[0].get("steps_timed", 0), case_rows[0].get("rounds", 1))
+        starts = [warmup + sum(sizes[:k]) + k - 1 for k in range(1, len(sizes))]
+        for x in ([warmup] if warmup else []) + starts:
+            loss.axvline(x - 0.5, color="#bbbbbb", ls="--", lw=0.8)
+        untimed = f"the first {warmup}" if warmup else ""
+        if starts:
+            untimed += (" and " if untimed else "") + "each later round's first"
+        loss.set_xlabel(f"step (untimed: {untimed})" if untimed else "step")
         loss.set_ylabel("loss")
         loss.set_title(f"{case}: loss")
         loss.legend(fontsize=8)
         for ax in (speed, mem):
-            ax.tick_params(axis="x", labelsize=8)
+            ax.tick_params(axis="x", labelsize=8, labelrotation=15)
     stamp = " ".join(str(data.get(k, "")) for k in ("device", "commit", "date"))
     fig.suptitle(f"coda.bench training comparison, {data.get('dtype', '')}, {stamp}", fontsize=10)
     fig.tight_layout()
