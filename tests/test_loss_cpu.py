@@ -110,10 +110,10 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
     loss = ops.linear_cross_entropy_reference(x, w, t, b, ignore_index=ii, label_smoothing=ls, softcap=cap or None,
                                               z_loss=z, reduction=["none", "mean", "sum"][red]).float()
     lse = torch.logsumexp(F.linear(x, w, b).float(), -1).reshape(-1)
-    # the gradients of the rows' sum (the backward scales them), db in float32, and dX where D ≤ V/16
+    # the gradients of the rows' sum (the backward scales them), dW and db in float32, and dX where D ≤ V/16
     grads = _grads(x, w, b, t, ii, ls, cap, z, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
     if red:
-        grads[2] = grads[2].float() if grads[2].numel() else grads[2]
+        grads[1:] = [g.float() if g.numel() else g for g in grads[1:]]
         if grads[0].numel() and (x.shape[-1] * 16 <= w.shape[0] or 4 * x.numel() <= 64 << 20):
             grads[0] = grads[0].float()
     return loss, lse, *grads

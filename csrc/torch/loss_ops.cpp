@@ -15,17 +15,18 @@
 //
 // in the forward (recompute false, mean and sum only): per chunk of tokens
 // the kernel writes d loss / d logits over the logits and two GEMMs take it
-// to dX (the chunk's rows, complete) and dW (summed over the chunks in W's
-// dtype, one rounding per chunk: ≥ 4 chunks under the memory bound, so
-// 1.2–1.4x the rounding error of torch's one GEMM in bf16 on an H100,
-// ec3b77c; 1.9x in a CPU emulation); the backward only scales
-// them by the upstream gradient. Three GEMMs, and dW held from the forward
-// to the backward.
+// to dX (the chunk's rows, complete) and dW (summed over the chunks in
+// float32: in W's dtype each chunk rounded it again, ≥ 4 chunks under the
+// memory bound, 1.2–1.4x the rounding error of torch's one GEMM in bf16 on
+// an H100 at ec3b77c); the backward scales them by the upstream gradient
+// and rounds once. Three GEMMs, and a float32 dW held from the forward to
+// the backward.
 //
 // Either way the peak extra memory is one buffer of logits in x's dtype and
 // a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
-// problems may take 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
-// times both.
+// problems may take 16 MiB of logits and a 64 MiB dX); recompute false adds
+// the float32 dW (4 bytes per weight, and W's own dtype beside it while the
+// backward rounds it). The lm_head benchmark times both.
 #include <mutex>
 
 #include "autograd.h"
@@ -73,7 +74,7 @@ int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 }
 
 // The gradients the forward forms: (dx, dw, db), (0,) where not needed;
-// db in float32, and dX where it takes at most half the memory bound
+// dW and db in float32, and dX where it takes at most half the memory bound
 // (D ≤ V/16): the backward scales them and rounds once.
 struct Grads {
   Tensor dx, dw, db;
@@ -207,9 +208,9 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
   return x.size(1) * 16 <= w.size(0) || 4 * x.size(0) * x.size(1) <= (int64_t(64) << 20);
 }
 
-// In fp16, whose dW sums would overflow past 65504 unscaled, the forward's
-// gradients of a mean come scaled by 2^-⌊log2(count)/2⌋ ≈ 1/√count: dW's
-// sums stay within √count·|x|, and p_j/√count keeps √count times more of
+// In fp16 the forward's gradients of a mean come scaled by
+// 2^-⌊log2(count)/2⌋ ≈ 1/√count (from when dW summed in fp16, which would
+// overflow past 65504 unscaled), and p_j/√count keeps √count times more of
 // fp16's subnormal digits than p_j/count (≈ 1/(V·count)), which the
 // 2048-token test measured at 2x torch's dX error (0.21x now); at a million
 // tokens and V ~ 50k it too rounds to 0. A power of two rounds nothing
@@ -287,7 +288,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
   const bool dx_float = dx_in_float(x, w);
   Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
-          needs[1] ? at::empty_like(w) : none(x), none(x)};
+          needs[1] ? at::empty_like(w, w.options().dtype(at::kFloat)) : none(x), none(x)};
   const bool grad = needs[0] || needs[1] || needs[2];
   const Tensor inv = grad && prescaled(reduction, x) ? prescale_of(count_of(target, ignore_index)) : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
@@ -435,6 +436,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     }
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["dt_w"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["dt_b"] = static_cast<int64_t>(bias ? bias->scalar_type() : x.scalar_type());
     ctx->saved_data["p"] = present_mask({true, true, bias.has_value(), true});
     ctx->mark_non_differentiable({lse});
@@ -460,25 +462,26 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       for (int i = 0; i < 3; ++i) out[i] = n[i] ? *g[i] : Tensor();
       return first_order("linear_cross_entropy", std::move(out));
     }
-    // The forward's gradients times the upstream scalar, in float32: dX and
-    // db, kept in float32, are scaled and rounded once; dW in place in eager
-    // by coda::scale (nothing else holds it; no second dW-sized tensor, no
-    // sync), out of place while a compiler traces (its tensors are
-    // functional) or on the CPU. In place, a second backward (retain_graph)
-    // would scale them again.
+    // The forward's gradients times the upstream scalar, in float32: those
+    // kept in float32 (dW, db, and dX where dx_in_float) are scaled and
+    // rounded once; a 16-bit dX in place in eager by coda::scale (nothing
+    // else holds it; no second such tensor, no sync), out of place while a
+    // compiler traces (its tensors are functional) or on the CPU. In place,
+    // a second backward (retain_graph) would scale them again.
     TORCH_CHECK(!ctx->saved_data.count("scaled"), "coda.linear_cross_entropy with recompute=False runs one backward "
                 "(its gradients were formed in the forward and scaled in place); use recompute=True for more");
     ctx->saved_data["scaled"] = true;
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
-    // the dtypes of x and b, which the float32 dX and db are rounded to (dW keeps W's)
-    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt());
-    const auto b_dtype = static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt());
+    // the dtypes of x, W and b, which the float32 gradients are rounded to
+    const c10::ScalarType dtypes[3] = {static_cast<c10::ScalarType>(ctx->saved_data["dt_x"].toInt()),
+                                       static_cast<c10::ScalarType>(ctx->saved_data["dt_w"].toInt()),
+                                       static_cast<c10::ScalarType>(ctx->saved_data["dt_b"].toInt())};
     for (int i = 0; i < 3; ++i) {
       if (!n[i] || v[i].numel() == 0) continue;
       Tensor t = v[i];
       const bool functional = s.key_set().has_any(traced) || t.key_set().has_any(traced);
       if (t.scalar_type() == at::kFloat) {
-        out[i] = (functional ? t * s : t.mul_(s)).to(i == 0 ? x_dtype : b_dtype);
+        out[i] = (functional ? t * s : t.mul_(s)).to(dtypes[i]);
       } else if (functional || !t.is_cuda()) {
         out[i] = (t.to(at::kFloat) * s).to(t.scalar_type());
       } else {

@@ -5,7 +5,7 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, at 8192 tokens x d 2048 and
   coda          coda.ops.linear_cross_entropy as it comes: the backward
                 recomputes the logits (four GEMMs, gradients rounded as torch's)
   coda_fwd      recompute=False: the gradients formed in the forward's chunks
-                (three GEMMs, dW summed over the chunks in bf16)
+                (three GEMMs, dW summed over the chunks in float32)
   coda_fwd_c<N> the same with N tokens per chunk: the memory / time trade-off
   cublas        the three GEMMs alone (logits, dX, dW): the floor
   eager         F.linear + F.cross_entropy

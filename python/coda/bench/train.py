@@ -52,7 +52,7 @@ import torch
 from .timing import why
 
 IMPLS = ("hf", "liger", "compile", "coda", "coda_compile")
-# on request only (--impls): coda with the LM head's three-GEMM backward (dW summed over token chunks in bf16)
+# on request only (--impls): coda with the LM head's three-GEMM backward (a float32 dW from the forward)
 EXTRA_IMPLS = ("coda_3gemm",)
 SEED = 0
 LR = 3e-4

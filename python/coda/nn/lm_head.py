@@ -36,7 +36,7 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     (e.g. GPT-2's nn.LayerNorm), applied in torch first. softcap: tanh
     soft-capping of the logits (Gemma 2), or None. recompute:
     linear_cross_entropy's (True: gradients rounded as torch's, four GEMMs; False:
-    three GEMMs, dW summed over chunks in bf16).
+    three GEMMs, dW summed over chunks in float32: 4 bytes per weight more).
 
     Returns the mean over the counted tokens; with ``num_items_in_batch`` (an int or
     a tensor: the counted tokens of the whole accumulated batch, as HF's Trainer

@@ -5,9 +5,10 @@ folds each slice into the rows' log-sum-exp and loss; the backward
 recomputes the same slices and takes d loss / d logits to dX and dW, each
 rounded once as torch's path rounds it (four GEMMs). recompute=False forms
 the gradients in the forward, by chunks of tokens (three GEMMs, dW summed
-over the chunks in bf16). Extra memory: one buffer of logits and a float32
-dX, at most 1/8 of the fp32 logits (small problems: 16 MiB of logits and a
-64 MiB dX).
+over the chunks in float32 and rounded once in the backward). Extra memory:
+one buffer of logits and a float32 dX, at most 1/8 of the fp32 logits
+(small problems: 16 MiB of logits and a 64 MiB dX); recompute=False adds a
+float32 dW from the forward to the backward.
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ if _kernels.has_op("linear_cross_entropy_loss"):
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs):
         m = math.prod(x.shape[:-1])
         grad = reduction != 0
-        # the gradients of the rows' sum, db in float32, and dX where D ≤ V/16 or it takes ≤ 64 MiB (loss_ops.cpp's
-        # dx_in_float): the backward scales them and rounds once
+        # the gradients of the rows' sum, dW and db in float32, and dX where D ≤ V/16 or it takes ≤ 64 MiB
+        # (loss_ops.cpp's dx_in_float): the backward scales them and rounds once
         dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] or 4 * m * x.shape[-1] <= 64 << 20 \
             else x.dtype
         return (*_loss_and_lse(x, target, reduction),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
-                x.new_empty(weight.shape) if grad and needs[1] else x.new_empty(0),
+                x.new_empty(weight.shape, dtype=torch.float32) if grad and needs[1] else x.new_empty(0),
                 x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
                 else x.new_empty(0))
 
@@ -145,9 +146,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     the vocabulary, so every gradient is rounded once, as torch's unfused
     path rounds it (four GEMMs). False: the forward forms the gradients of a
     mean or sum chunk by chunk and the backward scales them (three GEMMs,
-    ~25% less time in the head; dW sums over the chunks in W's dtype, up to
-    ~2x torch's rounding error, and is held from the forward to the
-    backward). chunk_vocab: classes per slice (recompute); chunk_tokens:
+    ~25% less time in the head; dW sums over the chunks in float32, held
+    from the forward to the backward: 4 bytes per weight). chunk_vocab: classes per slice (recompute); chunk_tokens:
     tokens per chunk (recompute=False); None: at most 1/8 of the fp32 logits
     and 512 MiB at once. Returns the loss in float32.
     Gradients flow to x, weight, bias and norm_weight.
