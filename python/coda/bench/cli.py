@@ -123,8 +123,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seq", type=int, help="tokens per sequence (default: 2048 on the GPU, 64 on the CPU)")
     t.add_argument("--max-seconds", type=float, help="per impl: no timed step starts after this many seconds "
                                                      "from its model's build (default: no limit)")
-    t.add_argument("--budget-seconds", type=float, help="the whole run: no impl starts after this many seconds; "
-                                                        "those left are reported as skipped (default: no limit)")
+    t.add_argument("--budget-seconds", type=float, help="the whole run: no impl and no round starts after this "
+                                                        "many seconds; impls left are reported as skipped, a round "
+                                                        "under way finishes (default: no limit)")
     t.add_argument("--no-plot", action="store_true", help="no .png beside the results file")
     k = p.add_argument_group("the kernel-level benchmarks (--kernels; each flag below implies it)")
     k.add_argument("--kernels", action="store_true", help="run the kernel-level benchmarks instead")

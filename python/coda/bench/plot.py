@@ -61,7 +61,10 @@ def plot(data: Dict, png: str) -> Optional[str]:
             loss.plot(range(len(values)), values, label=impl, color=COLORS.get(impl, "#9467bd"),
                       **STYLES.get(impl, dict(lw=1.2)))
         # each later round begins with one untimed step: a dashed line before it
-        sizes = round_sizes(case_rows[0].get("steps_timed", 0), case_rows[0].get("rounds", 1))
+        # the run's schedule (an impl stopped by --max-seconds took fewer steps than the others)
+        settings = data.get("settings", {})
+        sizes = round_sizes(settings.get("steps", case_rows[0].get("steps_timed", 0)),
+                            settings.get("rounds", case_rows[0].get("rounds", 1)))
         starts = [warmup + sum(sizes[:k]) + k - 1 for k in range(1, len(sizes))]
         for x in ([warmup] if warmup else []) + starts:
             loss.axvline(x - 0.5, color="#bbbbbb", ls="--", lw=0.8)

@@ -112,7 +112,7 @@ class Settings:
     device: str
     dtype: torch.dtype
     max_seconds: float = 0.0     # per impl: no timed step starts past it (0: no limit)
-    budget_seconds: float = 0.0  # the whole run: no impl starts past it (0: no limit)
+    budget_seconds: float = 0.0  # the whole run: no impl and no round starts past it (0: no limit)
     rounds: int = 1              # the timed steps split over this many rounds of the impls in turn
     lr: float = LR
     seed: int = SEED
@@ -486,9 +486,11 @@ def _run(s: Settings, after_impl: Optional[Callable[[Outcome], None]]) -> Outcom
                       f"{peak}loss {r['last_loss']:.4f}  (round 1 of {len(sizes)}: setup {r['setup_s']:.1f} s, "
                       f"warm-up {r['warmup_s']:.1f} s, {r['steps_timed']} steps {r['timed_s']:.1f} s)", flush=True)
                 if len(sizes) == 1:  # one round: nothing to keep it for
-                    del trainers[impl], t
+                    del trainers[impl]
+                    t = None
                     _free()
                 publish()
+            t = None  # the trainers dict holds the models the later rounds need, and nothing else does
             # the later rounds: one untimed step, then the round's timed steps, each round one impl further along
             for k in range(1, len(sizes)):
                 if spent():
@@ -497,15 +499,23 @@ def _run(s: Settings, after_impl: Optional[Callable[[Outcome], None]]) -> Outcom
                     break
                 order = list(trainers)
                 for impl in order[k % max(len(order), 1):] + order[:k % max(len(order), 1)]:
-                    if trainers[impl].stopped:
+                    tr = trainers[impl]
+                    if tr.stopped or (s.max_seconds and tr.own_s > s.max_seconds):
+                        del trainers[impl]  # its row is taken: free its model for the others
+                        del tr
+                        _free()
                         continue
+                    failed = None
                     try:
-                        trainers[impl].train(1, sizes[k], last=k + 1 == len(sizes))
-                        rows[impl] = trainers[impl].row()
+                        tr.train(1, sizes[k], last=k + 1 == len(sizes))
+                        rows[impl] = tr.row()
                     except Exception as e:
+                        failed = f"round {k + 1}: {why(e)}"
+                    del tr
+                    if failed is not None:  # freed outside the except block, whose traceback holds the model
                         del trainers[impl], rows[impl]
                         _free()
-                        drop(impl, f"round {k + 1}: {why(e)}")
+                        drop(impl, failed)
                 publish()
         finally:
             bar.close()
