@@ -72,8 +72,7 @@ def check(name, inputs, target, dl=None, tokens=None, **kw):
         if g64 is not None:
             numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
             # recompute=False too: its dW sums over the chunks in float32 and is rounded once, as torch's
-            slack = 1.1
-            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), slack=slack, numel=numel)
+            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), slack=1.1, numel=numel)
     return loss, grads
 
 

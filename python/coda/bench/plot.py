@@ -60,8 +60,8 @@ def plot(data: Dict, png: str) -> Optional[str]:
         for impl, values in curves.get(case, {}).items():
             loss.plot(range(len(values)), values, label=impl, color=COLORS.get(impl, "#9467bd"),
                       **STYLES.get(impl, dict(lw=1.2)))
-        # each later round begins with one untimed step: a dashed line before it
-        # the run's schedule (an impl stopped by --max-seconds took fewer steps than the others)
+        # a dashed line before each untimed stretch: the warm-up, then each later round's first step, by the
+        # run's schedule (an impl stopped by --max-seconds took fewer steps than the others)
         settings = data.get("settings", {})
         sizes = round_sizes(settings.get("steps", case_rows[0].get("steps_timed", 0)),
                             settings.get("rounds", case_rows[0].get("rounds", 1)))

@@ -155,6 +155,7 @@ class _LigerGlobals:
         self.module, self.saved = module, dict(vars(module))
         self.forward = getattr(module, "LlamaForCausalLM").forward
         self.patch: Dict[str, object] = {}
+        self.patch_forward = self.forward
 
     def keep(self):
         """Records what the patch changed (call once it has run)."""
@@ -307,7 +308,10 @@ class Trainer:
         self.losses: List[float] = []
         self.rounds: List[List[float]] = []  # the timed steps' times (ms), per round
         self.peak_gib: Optional[float] = None
-        self.stopped = False  # past --max-seconds: no more timed steps
+
+    def past_limit(self, extra_s: float = 0.0) -> bool:
+        """Past --max-seconds (its own time, plus extra_s not yet counted): no more timed steps."""
+        return bool(self.s.max_seconds) and self.own_s + extra_s > self.s.max_seconds
 
     @contextlib.contextmanager
     def scope(self):
@@ -370,8 +374,7 @@ class Trainer:
             while len(pending) > 1:
                 self.losses.append(pending.pop(0).item())
                 self._progress(f"{self.impl} timed")
-            if self.s.max_seconds and self.own_s + time.perf_counter() - t0 > self.s.max_seconds:
-                self.stopped = True
+            if self.past_limit(time.perf_counter() - t0):
                 if i + 1 < n or not last:
                     print(f"\n  {self.spec.name} {self.impl}: past --max-seconds {self.s.max_seconds:g} after "
                           f"{sum(map(len, self.rounds)) + i + 1} timed steps", file=sys.stderr, flush=True)
@@ -500,7 +503,7 @@ def _run(s: Settings, after_impl: Optional[Callable[[Outcome], None]]) -> Outcom
                 order = list(trainers)
                 for impl in order[k % max(len(order), 1):] + order[:k % max(len(order), 1)]:
                     tr = trainers[impl]
-                    if tr.stopped or (s.max_seconds and tr.own_s > s.max_seconds):
+                    if tr.past_limit():
                         del trainers[impl]  # its row is taken: free its model for the others
                         del tr
                         _free()
