@@ -1,4 +1,4 @@
-"""What the model families share: the calls a patched forward refuses, its return
+"""What the model families share: how a patched forward reads its options, its return
 convention, and keeping the modules a patch replaced so that unpatch can put them back."""
 
 from __future__ import annotations
@@ -12,19 +12,39 @@ ATTR = "_coda_patch"  # on a patched model: its family's name
 _ORIGINAL = "_coda_original"  # on a replacement module: the module it replaced (parameters stripped)
 
 
-def refuse_unsupported(where: str, cache, use_cache: Optional[bool], kwargs: Dict) -> None:
-    """A patched forward computes whole sequences: no KV cache, no per-layer outputs."""
-    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-    if cache is not None or use_cache:
-        raise NotImplementedError(
-            f"{where}: a patched model runs whole sequences without a KV cache (use_cache=False, no cache); "
-            f"for generation call coda.hf.unpatch(model) first, or generate(..., use_cache=False)")
-    for name in ("output_attentions", "output_hidden_states"):
-        if kwargs.pop(name, None):
-            raise NotImplementedError(f"{where}: {name}=True is not supported by a patched model "
-                                      f"(coda.hf.unpatch(model) gives the original back)")
+def forward_options(where: str, module, cache, use_cache: Optional[bool], kwargs: Dict):
+    """(cache, output_hidden_states) of a patched forward call, read as Hugging Face's
+    forward reads them; refuses what a patched forward does not compute.
+
+    The cache: the one passed (cache= or past_key_values=), else a new DynamicCache
+    where use_cache says so; use_cache=None takes the config's in eval mode only (a
+    training step has no use for a cache, and filling one copies every layer's k and
+    v), and gradient checkpointing turns it off, as in Hugging Face's models."""
+    legacy = kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else legacy
+    config = module.config
+    if use_cache is None:
+        use_cache = bool(getattr(config, "use_cache", False)) and not module.training
+    if remats(module):
+        cache, use_cache = None, False
+    if cache is None and use_cache:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=config)
+    if kwargs.pop("output_attentions", None) or getattr(config, "output_attentions", False):
+        raise NotImplementedError(f"{where}: output_attentions=True is not supported by a patched model (its "
+                                  f"attention is SDPA, which returns no probabilities; coda.hf.unpatch(model) gives "
+                                  f"the original back)")
     if kwargs.get("shift_labels") is not None:
         raise NotImplementedError(f"{where}: shift_labels is not supported by a patched model; pass labels")
+    hidden = kwargs.pop("output_hidden_states", None)
+    if hidden is None:
+        hidden = getattr(config, "output_hidden_states", False)
+    return cache, bool(hidden)
+
+
+def remats(module) -> bool:
+    """Whether a forward of `module` (a HF base model) recomputes its layers in the backward."""
+    return getattr(module, "gradient_checkpointing", False) and module.training and torch.is_grad_enabled()
 
 
 def return_as(output, return_dict: Optional[bool], config):

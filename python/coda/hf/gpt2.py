@@ -35,9 +35,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import _activations, ops
-from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head, refuse_unsupported,
+from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
-from .attention import attend, causal_mask
+from .attention import Masks, attend, sdpa_config
 
 _CONV1D = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
 
@@ -125,6 +125,7 @@ def patch(model):
             keep_original(new, conv)
             setattr(owner, child, new)
     patch_lm_head(model)
+    object.__setattr__(model.transformer, _MASK_CONFIG, sdpa_config(model.config))
     model.transformer.forward = types.MethodType(_model_forward, model.transformer)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -143,12 +144,16 @@ def unpatch(model):
     unpatch_lm_head(model)
     for m in (model.transformer, model):
         m.__dict__.pop("forward", None)
+    model.transformer.__dict__.pop(_MASK_CONFIG, None)
     return model
 
 
 # ---- the patched forwards
 
-def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool):
+_MASK_CONFIG = "_coda_mask_config"  # on the patched GPT2Model: its config for transformers' SDPA masks
+
+
+def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool, cache=None):
     """-> (h, the next ln_1's statistics of h, or None)."""
     attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
     training = block.training
@@ -160,7 +165,7 @@ def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool)
     qkv = ops.layernorm_linear(h, ln_1.weight, ln_1.bias, attn.c_attn.weight, attn.c_attn.bias, ln_1.eps,
                                stats=stats)
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.split(attn.split_size, -1))
-    a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0)
+    a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0, cache, attn.layer_idx)
     h, stats = ops.linear_residual(a, attn.c_proj.weight, attn.c_proj.bias, h, "LayerNorm", ln_2.eps)
     out = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
                        mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats,
@@ -168,32 +173,48 @@ def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool)
     return out if want_stats else (out, None)
 
 
-def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where: str):
-    """Embeddings and the blocks: the last block's output, before ln_f."""
+def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, want_hidden: bool,
+         where: str):
+    """Embeddings and the blocks: (the last block's output, before ln_f; the hidden
+    states Hugging Face's output_hidden_states returns but the last, or None)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"{where}: pass exactly one of input_ids and inputs_embeds")
+    if input_ids is not None:
+        input_ids = input_ids.view(-1, input_ids.shape[-1])
     h = tr.wte(input_ids) if inputs_embeds is None else inputs_embeds
     batch, seq = h.shape[:2]
     if position_ids is None:
-        position_ids = torch.arange(seq, device=h.device)[None]
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(past, past + seq, device=h.device)[None]
+    embeds = h
     h = h + tr.wpe(position_ids)
     if token_type_ids is not None:
         h = h + tr.wte(token_type_ids.view(-1, seq))
     h = tr.drop(h)
-    if attention_mask is not None and attention_mask.dim() < 4:
+    if attention_mask is not None and torch.is_tensor(attention_mask) and attention_mask.dim() < 4:
         attention_mask = attention_mask.view(batch, -1)
-    mask = causal_mask(attention_mask, batch, seq, h.device, None, where)
+    mask = Masks(getattr(tr, _MASK_CONFIG), embeds, attention_mask, cache, position_ids, where)(None)
+    if cache is not None and hasattr(cache, "self_attention_cache"):
+        cache = cache.self_attention_cache  # an EncoderDecoderCache (there is no cross-attention here)
     activation = tr.config.activation_function
-    remat = getattr(tr, "gradient_checkpointing", False) and tr.training and torch.is_grad_enabled()
+    remat = remats(tr)
+    hidden = [] if want_hidden else None
     stats = None
     for i, block in enumerate(tr.h):
+        if hidden is not None:
+            hidden.append(h)
         # norm_mlp reduces statistics with its own ln_2's eps: the next ln_1 takes them where its eps is the same
         want = i + 1 < len(tr.h) and tr.h[i + 1].ln_1.eps == block.ln_2.eps
         if remat:
             h, stats = checkpoint(_block, block, h, stats, mask, activation, where, want, use_reentrant=False)
         else:
-            h, stats = _block(block, h, stats, mask, activation, where, want)
-    return h
+            h, stats = _block(block, h, stats, mask, activation, where, want, cache)
+    return h, hidden
+
+
+def _hidden_states(hidden, normed):
+    """Hugging Face's output_hidden_states: the embeddings and each block's output, the last one after ln_f."""
+    return None if hidden is None else (*hidden, normed)
 
 
 def _refuse_cross_attention(where, encoder_hidden_states) -> None:
@@ -206,11 +227,14 @@ def _model_forward(self, input_ids=None, cache=None, attention_mask=None, token_
                    return_dict=None, **kwargs):
     from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
     where = f"coda.hf patched {type(self).__name__}"
-    refuse_unsupported(where, cache, use_cache, kwargs)
+    cache, want_hidden = forward_options(where, self, cache, use_cache, kwargs)
     _refuse_cross_attention(where, encoder_hidden_states)
-    h = _run(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where)
-    return return_as(BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.ln_f(h)), return_dict,
-                     self.config)
+    h, hidden = _run(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, want_hidden,
+                     where)
+    h = self.ln_f(h)
+    out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=h, cache=cache,
+                                                    hidden_states=_hidden_states(hidden, h))
+    return return_as(out, return_dict, self.config)
 
 
 def _causal_lm_forward(self, input_ids=None, cache=None, attention_mask=None, token_type_ids=None, position_ids=None,
@@ -218,16 +242,21 @@ def _causal_lm_forward(self, input_ids=None, cache=None, attention_mask=None, to
                        use_cache=None, logits_to_keep=0, return_dict=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
     where = f"coda.hf patched {type(self).__name__}"
-    refuse_unsupported(where, cache, use_cache, kwargs)
-    _refuse_cross_attention(where, encoder_hidden_states)
     tr = self.transformer
-    h = tr.ln_f(_run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, where))
+    cache, want_hidden = forward_options(where, tr, cache, use_cache, kwargs)
+    _refuse_cross_attention(where, encoder_hidden_states)
+    h, hidden = _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, want_hidden,
+                     where)
+    h = tr.ln_f(h)
+    hidden = _hidden_states(hidden, h)
     if labels is None:
         logits = self.lm_head(keep_last(h, logits_to_keep))
-        return return_as(CausalLMOutputWithCrossAttentions(logits=logits), return_dict, self.config)
+        out = CausalLMOutputWithCrossAttentions(logits=logits, cache=cache, hidden_states=hidden)
+        return return_as(out, return_dict, self.config)
     if not keeps_all(logits_to_keep):
         raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
                                   f"position)")
     loss = self.lm_head(h, labels, ignore_index=kwargs.get("ignore_index", -100),
                         num_items_in_batch=kwargs.get("num_items_in_batch"))
-    return return_as(CausalLMOutputWithCrossAttentions(loss=loss), return_dict, self.config)
+    return return_as(CausalLMOutputWithCrossAttentions(loss=loss, cache=cache, hidden_states=hidden), return_dict,
+                     self.config)

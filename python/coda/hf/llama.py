@@ -33,9 +33,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import ops
 from ..nn import RMSNormQKVRoPE, SwiGLUMLP
-from ._common import (keep_last, keep_original, keeps_all, original, patch_lm_head, refuse_unsupported,
+from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
-from .attention import attend, causal_mask
+from .attention import Masks, attend, sdpa_config
 
 # coda's key prefix inside a DecoderLayer -> Hugging Face's
 _RENAMES = (("self_attn.qkv.norm.", "input_layernorm."), ("self_attn.qkv.q_proj.", "self_attn.q_proj."),
@@ -46,17 +46,19 @@ _RENAMES = (("self_attn.qkv.norm.", "input_layernorm."), ("self_attn.qkv.q_proj.
 class SelfAttention(nn.Module):
     """input_layernorm -> q, k, v -> RoPE (``qkv``, one GEMM), causal SDPA, and
     ``o_proj`` + residual (linear_residual), which also returns the next norm's row
-    statistics. forward(h, positions, stats, mask, next_eps) -> (h + o_proj(attn), stats)."""
+    statistics. forward(h, positions, stats, mask, next_eps, cache) -> (h + o_proj(attn), stats);
+    a KV cache gets this layer's (layer_idx's) k and v."""
 
     def __init__(self, qkv: RMSNormQKVRoPE, o_proj: nn.Linear, scaling: float, dropout: float,
-                 sliding_window: Optional[int]):
+                 sliding_window: Optional[int], layer_idx: int):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.scaling, self.dropout, self.sliding_window = scaling, dropout, sliding_window
+        self.layer_idx = layer_idx
 
-    def forward(self, h, positions, stats, mask, next_eps):
+    def forward(self, h, positions, stats, mask, next_eps, cache=None):
         q, k, v = self.qkv(h, positions, stats)
-        a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0)
+        a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0, cache, self.layer_idx)
         return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
 
     # Hugging Face's attribute paths of the state_dict keys (q_proj.weight, ...), for tools that
@@ -66,17 +68,18 @@ class SelfAttention(nn.Module):
     v_proj = property(lambda self: self.qkv.v_proj)
 
     def extra_repr(self) -> str:
-        return f"scaling={self.scaling:.6g}, dropout={self.dropout}, sliding_window={self.sliding_window}"
+        return (f"layer_idx={self.layer_idx}, scaling={self.scaling:.6g}, dropout={self.dropout}, "
+                f"sliding_window={self.sliding_window}")
 
 
 class DecoderLayer(nn.Module):
     """A LLaMA decoder layer as coda ops: ``self_attn`` (SelfAttention) and ``mlp``
     (coda.nn.SwiGLUMLP with the post-attention RMSNorm in front).
 
-    forward(h, positions, stats=None, mask=None) -> (h, stats): stats in and out are
-    the float32 (..., 2) RMSNorm row statistics of the residual stream, in from the
-    layer before (None: computed here), out for the layer after. mask: None (causal)
-    or coda.hf.attention.causal_mask's.
+    forward(h, positions, stats=None, mask=None, cache=None) -> (h, stats): stats in and
+    out are the float32 (..., 2) RMSNorm row statistics of the residual stream, in from
+    the layer before (None: computed here), out for the layer after. mask: None (causal)
+    or coda.hf.attention.Masks's; cache: a KV cache (transformers' Cache) or None.
 
     state_dict() has the keys and layouts of the Hugging Face layer it replaced
     (input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
@@ -95,12 +98,12 @@ class DecoderLayer(nn.Module):
     post_attention_layernorm = property(lambda self: self.mlp.norm)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, stats: Optional[torch.Tensor] = None,
-                mask: Optional[torch.Tensor] = None):
+                mask: Optional[torch.Tensor] = None, cache=None):
         if stats is not None and stats.dtype != torch.float32:
             # a wrapper cast them (FSDP2's MixedPrecisionPolicy casts every floating-point forward
             # input by default): rounded statistics would shift the norm, so this layer reduces its own
             stats = None
-        h, stats = self.self_attn(h, positions, stats, mask, self.mlp.norm.eps)
+        h, stats = self.self_attn(h, positions, stats, mask, self.mlp.norm.eps, cache)
         return self.mlp(h, residual=h, stats=stats, return_stats=True)
 
 
@@ -169,6 +172,10 @@ def check(model) -> None:
             raise NotImplementedError(f"{where}: q/k/v biases must be all present or all absent, got {biases}")
         if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             raise NotImplementedError(f"{where}: biased MLP projections (mlp_bias=True) are not supported")
+        window = _window(attn, config)
+        if window is not None and window != getattr(config, "sliding_window", None):
+            raise NotImplementedError(f"{where}: its sliding window {window} is not the config's "
+                                      f"{getattr(config, 'sliding_window', None)}, which transformers' mask takes")
         if attn.head_dim % 2:
             raise NotImplementedError(f"{where}: head_dim {attn.head_dim} is odd; RoPE rotates pairs")
         eps = {layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon,
@@ -182,6 +189,11 @@ def check(model) -> None:
         raise NotImplementedError(f"coda.hf.patch: {name} has hidden_act={config.hidden_act!r}; coda's gated MLP "
                                   f"takes silu (SwiGLU) or gelu / gelu_tanh (GeGLU)") from None
     _rope(model)
+
+
+def _window(attn, config) -> Optional[int]:
+    """The layer's sliding window: Qwen2's attention has one per layer (None for full attention), Mistral's the config's."""
+    return getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
 
 
 # ---- the patch
@@ -202,9 +214,8 @@ def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float
         qkv.qkv_bias = nn.Parameter(qkv.permute(torch.cat([q.bias, k.bias, v.bias])), q.bias.requires_grad)
     freq = ops.rope_frequencies(attn.head_dim, heads, kv_heads, theta, inv_freq=inv_freq)
     qkv.freq_bits = freq.view(torch.int32).to(w.device)
-    window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
     self_attn = SelfAttention(qkv, attn.o_proj, float(attn.scaling), float(getattr(attn, "attention_dropout", 0.0)),
-                              window)
+                              _window(attn, config), attn.layer_idx)
 
     g = mlp.gate_proj.weight
     new_mlp = SwiGLUMLP(g.shape[1], g.shape[0], config.hidden_act, normalization="RMSNorm",
@@ -227,6 +238,7 @@ def patch(model):
         keep_original(new, layer, shared=(layer.self_attn.o_proj, layer.mlp.down_proj))
         base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
     patch_lm_head(model)
+    object.__setattr__(base, _MASK_CONFIG, sdpa_config(model.config))
     base.forward = types.MethodType(_model_forward, base)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -244,58 +256,73 @@ def unpatch(model):
     unpatch_lm_head(model)
     for m in (base, model):
         m.__dict__.pop("forward", None)
+    base.__dict__.pop(_MASK_CONFIG, None)
     return model
 
 
 # ---- the patched forwards
 
-def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, where: str):
-    """Embeddings and the decoder layers: (h, the RMSNorm statistics of h)."""
+_MASK_CONFIG = "_coda_mask_config"  # on the patched base model: its config for transformers' SDPA masks
+
+
+def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden: bool, where: str):
+    """Embeddings and the decoder layers: (h, the RMSNorm statistics of h, the hidden
+    states Hugging Face's output_hidden_states returns but the last, or None)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"{where}: pass exactly one of input_ids and inputs_embeds")
     h = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-    batch, seq = h.shape[:2]
-    positions = position_ids if position_ids is not None else torch.arange(seq, device=h.device)[None]
-    masks: Dict[Optional[int], Optional[torch.Tensor]] = {}
-    for layer in base.layers:
-        window = layer.self_attn.sliding_window
-        if window not in masks:
-            masks[window] = causal_mask(attention_mask, batch, seq, h.device, window, where)
-    remat = getattr(base, "gradient_checkpointing", False) and base.training and torch.is_grad_enabled()
+    if position_ids is None:
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = torch.arange(past, past + h.shape[1], device=h.device)[None]
+    masks = Masks(getattr(base, _MASK_CONFIG), h, attention_mask, cache, position_ids, where)
+    remat = remats(base)
+    hidden = [] if want_hidden else None
     stats = None
     for layer in base.layers:
-        mask = masks[layer.self_attn.sliding_window]
+        if hidden is not None:
+            hidden.append(h)
+        mask = masks(layer.self_attn.sliding_window)
         if remat:
-            h, stats = checkpoint(layer, h, positions, stats, mask, use_reentrant=False)
+            h, stats = checkpoint(layer, h, position_ids, stats, mask, use_reentrant=False)
         else:
-            h, stats = layer(h, positions, stats, mask)
-    return h, stats
+            h, stats = layer(h, position_ids, stats, mask, cache)
+    return h, stats, hidden
 
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                    use_cache=None, return_dict=None, **kwargs):
     from transformers.modeling_outputs import BaseModelOutputWithPast
     where = f"coda.hf patched {type(self).__name__}"
-    refuse_unsupported(where, cache, use_cache, kwargs)
-    h, _ = _run(self, input_ids, attention_mask, position_ids, inputs_embeds, where)
-    return return_as(BaseModelOutputWithPast(last_hidden_state=self.norm(h)), return_dict, self.config)
+    cache, want_hidden = forward_options(where, self, cache, use_cache, kwargs)
+    h, _, hidden = _run(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden, where)
+    h = self.norm(h)
+    out = BaseModelOutputWithPast(last_hidden_state=h, cache=cache, hidden_states=_hidden_states(hidden, h))
+    return return_as(out, return_dict, self.config)
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                        labels=None, use_cache=None, logits_to_keep=0, return_dict=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
     where = f"coda.hf patched {type(self).__name__}"
-    refuse_unsupported(where, cache, use_cache, kwargs)
-    h, stats = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, where)
+    cache, want_hidden = forward_options(where, self.model, cache, use_cache, kwargs)
+    h, stats, hidden = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden,
+                            where)
     norm = self.model.norm
+    normed = norm(h) if labels is None or want_hidden else None
     if labels is None:
-        logits = self.lm_head(norm(keep_last(h, logits_to_keep)))
-        return return_as(CausalLMOutputWithPast(logits=logits), return_dict, self.config)
+        logits = self.lm_head(keep_last(normed, logits_to_keep))
+        out = CausalLMOutputWithPast(logits=logits, cache=cache, hidden_states=_hidden_states(hidden, normed))
+        return return_as(out, return_dict, self.config)
     if not keeps_all(logits_to_keep):
         raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
                                   f"position)")
     loss = self.lm_head(h, labels, norm=(norm.weight, norm.variance_epsilon),
                         ignore_index=kwargs.get("ignore_index", -100),
                         num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats)
-    return return_as(CausalLMOutputWithPast(loss=loss), return_dict, self.config)
+    out = CausalLMOutputWithPast(loss=loss, cache=cache, hidden_states=_hidden_states(hidden, normed))
+    return return_as(out, return_dict, self.config)
 
+
+def _hidden_states(hidden, normed):
+    """Hugging Face's output_hidden_states: the embeddings and each layer's output, the last one normed."""
+    return None if hidden is None else (*hidden, normed)

@@ -53,13 +53,17 @@ def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
     optimizer: parameters whose layout changes (fused q/k/v, gate/up; GPT-2's
     transposed Conv1D weights) are new tensors.
 
-    Not supported by a patched forward (NotImplementedError, pointing to unpatch): a
-    KV cache (use_cache=True, generate() with its default), 4-D attention masks,
-    output_attentions / output_hidden_states. 2-D padding masks are supported; each
-    padded position attends to itself only, and its output is meaningless, as its
-    label should be ignore_index. Attention is torch's scaled_dot_product_attention,
-    whatever attn_implementation the model was built with. Gradient checkpointing
-    (model.gradient_checkpointing_enable()) recomputes each layer (non-reentrant).
+    Masks are transformers' own (its create_causal_mask and sliding-window mask, as an
+    SDPA model builds them): padding (left or right), packed documents (position_ids
+    restarting at 0 without an attention_mask, as DataCollatorWithFlattening makes
+    them), sliding windows and 4-D masks compute what the unpatched model computes.
+    Attention is torch's scaled_dot_product_attention, whatever attn_implementation the
+    model was built with. generate() runs with the model's KV cache (use_cache=None
+    reads config.use_cache in eval mode only: a training forward fills no cache), and
+    output_hidden_states returns Hugging Face's tuple. Not supported
+    (NotImplementedError): output_attentions, shift_labels, logits_to_keep with labels.
+    Gradient checkpointing (model.gradient_checkpointing_enable()) recomputes each layer
+    (non-reentrant).
 
     lm_head_recompute: the loss's backward (coda.ops.linear_cross_entropy's recompute;
     False: ~25% less time in the LM head, a float32 dW held from the forward to the backward);
