@@ -165,3 +165,34 @@ def test_config_options():
     model.config.output_hidden_states = False
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model(ids, output_attentions=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+def test_a_step_traces_whole(family):
+    # torch.compile(fullgraph=True): no host sync and no branch on the data in a patched step (what CUDA-graph
+    # capture and mode="reduce-overhead" need), with the all-ones mask a Trainer passes and with packed rows
+    _, model = pair(family)
+    ids = tokens(2, 20)
+    packed_ids, positions, labels, _ = packed()
+    calls = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids),
+             dict(input_ids=packed_ids, position_ids=positions, labels=labels)]
+    want = []
+    for kw in calls:
+        model(**kw).loss.backward()
+        want.append(hf_grads(model))
+        model.zero_grad()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for kw, grads in zip(calls, want):
+            compiled(**kw).loss.backward()
+            assert_state_close(hf_grads(model), grads, what="compiled ")
+            model.zero_grad()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_int32_labels():
+    plain, model = pair("llama")
+    ids = tokens()
+    assert rel_err(model(ids, labels=ids.int()).loss, plain(ids, labels=ids).loss) <= TOL

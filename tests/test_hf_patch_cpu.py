@@ -443,19 +443,42 @@ def test_generate_without_cache(family):
     assert torch.equal(model.generate(ids, **greedy), plain.generate(ids, **greedy))
 
 
-def test_gpt2_residual_dropout():
-    # residual dropout cannot run inside the GEMM that adds the residual: a training forward says so
-    torch.manual_seed(0)
-    plain = transformers.GPT2LMHeadModel(gpt2_config(resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1))
+def test_gpt2_dropout_is_hugging_faces():
+    # GPT-2's default dropout (resid, embd, attn: 0.1) in training: the same draws in the same order as the
+    # unpatched model, so one seed gives the same loss and gradients; another seed other masks
+    plain = transformers.GPT2LMHeadModel(gpt2_config(resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)).train()
     model = coda.patch(copy.deepcopy(plain))
-    ids = tokens()
-    with pytest.raises(NotImplementedError, match="resid_pdrop"):
-        model.train()(ids, labels=ids)
+    ids = tokens(4, 32)
+    losses = []
+    for m in (plain, model, model):
+        torch.manual_seed(7)
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == losses[2]  # deterministic for a seed
+    assert abs(losses[1] - losses[0]) <= TOL * losses[0]
+    assert_state_close({k: v / 2 for k, v in hf_grads(model).items()}, hf_grads(plain), what="dropout ")
+    torch.manual_seed(8)
+    assert model(ids, labels=ids).loss.item() != losses[1]
     plain.eval(), model.eval()
     assert rel_err(model(ids, labels=ids).loss, plain(ids, labels=ids).loss) <= TOL
-    for block in model.transformer.h:
-        block.attn.resid_dropout.p = block.mlp.dropout.p = 0.0
-    assert torch.isfinite(model.train()(ids, labels=ids).loss)  # embedding and attention dropout run
+
+
+def test_gpt2_dropout_rate():
+    # the residual dropout zeroes each element with probability p and scales the rest by 1/(1-p)
+    plain = transformers.GPT2LMHeadModel(gpt2_config(resid_pdrop=0.25)).train()
+    model = coda.patch(plain)
+    seen = []
+    hook = model.transformer.h[0].mlp.dropout.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    model(tokens(8, 64), labels=tokens(8, 64))
+    hook.remove()
+    x, y = seen[0]
+    dropped = (y == 0) & (x != 0)
+    n = x.numel()
+    p = dropped.float().mean().item()
+    assert abs(p - 0.25) <= 4 * (0.25 * 0.75 / n) ** 0.5  # 4 sigma
+    kept = ~dropped
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
 
 
 # ---- coda.nn.causal_lm_loss against HF's loss

@@ -19,10 +19,11 @@ whose load_state_dict takes that layout: a GPT-2 checkpoint loads as it is, and 
 weight is kept in both layouts. Biases, norms and embeddings are the model's own tensors.
 
 Dropout: the embedding dropout and the attention-probability dropout run (the latter
-inside SDPA); the residual dropout (resid_pdrop) would sit between a GEMM and the
-residual add that its epilogue does, so a training forward with resid_pdrop > 0
-raises: set config.resid_pdrop = 0 before building the model, or the blocks'
-attn.resid_dropout.p and mlp.dropout.p to 0. In eval mode dropout never runs.
+inside SDPA). The residual dropout (resid_pdrop, 0.1 in GPT-2's config) sits between
+a GEMM and the residual add that its epilogue does: while it is on in training, the
+two adds of each block run in torch after the GEMMs (the norm folds, biases and GELU
+stay fused), with the unpatched block's draws from the global RNG, so a seed gives
+Hugging Face's masks. In eval mode dropout never runs and the blocks are chains.
 """
 
 from __future__ import annotations
@@ -153,24 +154,33 @@ def unpatch(model):
 _MASK_CONFIG = "_coda_mask_config"  # on the patched GPT2Model: its config for transformers' SDPA masks
 
 
-def _block(block, h, stats, mask, activation: str, where: str, want_stats: bool, cache=None):
+def _block(block, h, stats, mask, activation: str, want_stats: bool, cache=None):
     """-> (h, the next ln_1's statistics of h, or None)."""
     attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
     training = block.training
-    if training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0):
-        raise NotImplementedError(
-            f"{where}: residual dropout (resid_pdrop = {max(attn.resid_dropout.p, mlp.dropout.p)}) would sit between "
-            f"a GEMM and the residual add its epilogue does: train with resid_pdrop = 0 (the blocks' "
-            f"attn.resid_dropout.p and mlp.dropout.p), or call model.eval() for inference")
     qkv = ops.layernorm_linear(h, ln_1.weight, ln_1.bias, attn.c_attn.weight, attn.c_attn.bias, ln_1.eps,
                                stats=stats)
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.split(attn.split_size, -1))
     a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0, cache, attn.layer_idx)
+    if training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0):
+        return _block_with_dropout(block, h, a, activation)
     h, stats = ops.linear_residual(a, attn.c_proj.weight, attn.c_proj.bias, h, "LayerNorm", ln_2.eps)
     out = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
                        mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats,
                        return_stats=want_stats)
     return out if want_stats else (out, None)
+
+
+def _block_with_dropout(block, h, a, activation: str):
+    """The rest of a training block whose residual dropout is on: dropout sits between
+    each GEMM and the residual add its epilogue would do, so the two adds run in torch
+    (the norm folds and the GELU stay in the GEMMs), drawing from the global RNG in the
+    unpatched block's order; ln_2 and the next ln_1 reduce their own statistics."""
+    attn, mlp, ln_2 = block.attn, block.mlp, block.ln_2
+    h = h + attn.resid_dropout(ops.linear(a, attn.c_proj.weight, attn.c_proj.bias))
+    m = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
+                     "LayerNorm", ln_2.eps, activation)
+    return h + mlp.dropout(m), None
 
 
 def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, want_hidden: bool,
@@ -206,9 +216,9 @@ def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_emb
         # norm_mlp reduces statistics with its own ln_2's eps: the next ln_1 takes them where its eps is the same
         want = i + 1 < len(tr.h) and tr.h[i + 1].ln_1.eps == block.ln_2.eps
         if remat:
-            h, stats = checkpoint(_block, block, h, stats, mask, activation, where, want, use_reentrant=False)
+            h, stats = checkpoint(_block, block, h, stats, mask, activation, want, use_reentrant=False)
         else:
-            h, stats = _block(block, h, stats, mask, activation, where, want, cache)
+            h, stats = _block(block, h, stats, mask, activation, want, cache)
     return h, hidden
 
 

@@ -81,7 +81,7 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bi
     z = z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    z, t = z.reshape(-1, z.shape[-1]), target.reshape(-1)
+    z, t = z.reshape(-1, z.shape[-1]), target.reshape(-1).long()  # int32 targets too, as the kernel takes them
     loss = F.cross_entropy(z, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     if z_loss:
         valid = t != ignore_index
@@ -131,7 +131,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     """cross_entropy(x·weightᵀ + bias, target) without the logits in memory.
 
     x: (..., D) the LM head's input; weight: (V, D), e.g. lm_head.weight or
-    the tied embedding's; target: (...) int64 classes or ignore_index; bias:
+    the tied embedding's; target: (...) int64 or int32 classes or ignore_index; bias:
     (V,) or None. ignore_index, reduction ("mean" over the rows not ignored,
     "sum", "none": x.shape[:-1]) and label_smoothing as
     torch.nn.functional.cross_entropy; softcap: logits -> softcap·tanh(logits/
