@@ -1,5 +1,5 @@
 """Convergence, as Liger-Kernel's tests check it: a small LLaMA (vocab 1000; and 1003, not a
-multiple of 8, with tied embeddings) and a small GPT-2, built from configs, the plain and
+multiple of 8, with tied embeddings), a small Qwen3 and a small GPT-2, built from configs, the plain and
 the coda-patched model from the same seed trained side by side with AdamW for 32 steps on
 the same fixed random token batches; the loss at every step and the final weights agree.
 
@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 STEPS = 32
 LOSS_TOL = 1e-5
 WEIGHT_TOL = 1e-3
-CASES = [("llama", 1000), ("llama_tied", 1003), ("gpt2", 1000)]
+CASES = [("llama", 1000), ("llama_tied", 1003), ("qwen3", 1000), ("gpt2", 1000)]
 
 
 def data(vocab, device, batches=4, batch=4, seq=32, seed=1234):

@@ -1,6 +1,6 @@
 """coda.hf.patch / unpatch on tiny Hugging Face models built from configs (LLaMA with
 and without tied embeddings, Mistral with a sliding window, Qwen2 with q/k/v biases,
-GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
+Qwen3 with per-head q/k norms, GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
 shapes and values as Hugging Face's; no weight kept twice; loss, logits and every
 gradient within float32 rounding of the unpatched model (relative error ≤ 1e-5: the two
 differ only in the order of float32 sums); right padding; gradient accumulation with
@@ -78,16 +78,23 @@ def config_of(family, vocab=VOCAB, **kw):
         return transformers.MistralConfig(**llama_kwargs(vocab, sliding_window=8, **kw))
     if family == "qwen2":
         return transformers.Qwen2Config(**llama_kwargs(vocab, **kw))
+    if family == "qwen3":  # per-head q/k norms; head_dim 32 with 4 heads of a 64-wide model, as Qwen3's is its own
+        return transformers.Qwen3Config(**llama_kwargs(vocab, head_dim=32, **kw))
     if family == "gpt2":
         return gpt2_config(vocab, **kw)
     raise ValueError(family)
 
 
 def build(family, vocab=VOCAB, seed=0, **config):
-    """A float32 model of the family from the seed, in training mode."""
+    """A float32 model of the family from the seed, in training mode; its norms' weights
+    drawn too (initialized to ones, they would hide a norm weight read in the wrong order)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_of(family, vocab, **config),
                                                           attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+                module.weight.uniform_(0.5, 1.5)
     return model.float().train()
 
 
@@ -97,7 +104,7 @@ def pair(family, vocab=VOCAB, seed=0):
     return plain, coda.hf.patch(copy.deepcopy(plain))
 
 
-FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2"]
 
 
 def tokens(batch=2, seq=16, vocab=VOCAB):
@@ -408,9 +415,6 @@ def test_unknown_models_raise_type_error():
 
 
 def test_unsupported_configurations_raise():
-    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**llama_kwargs()))
-    with pytest.raises(NotImplementedError, match="q_norm"):
-        coda.patch(qwen3)
     biased = transformers.LlamaForCausalLM(llama_config(mlp_bias=True))
     state = copy.deepcopy(biased.state_dict())
     with pytest.raises(NotImplementedError, match="mlp_bias"):

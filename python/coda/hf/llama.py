@@ -1,5 +1,5 @@
-"""LLaMA-family causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) as
-chains of coda ops.
+"""LLaMA-family causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM) as chains of coda ops.
 
 Each decoder layer becomes a DecoderLayer:
 
@@ -28,6 +28,7 @@ import types
 from typing import Dict, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,17 +48,26 @@ class SelfAttention(nn.Module):
     """input_layernorm -> q, k, v -> RoPE (``qkv``, one GEMM), causal SDPA, and
     ``o_proj`` + residual (linear_residual), which also returns the next norm's row
     statistics. forward(h, positions, stats, mask, next_eps, cache) -> (h + o_proj(attn), stats);
-    a KV cache gets this layer's (layer_idx's) k and v."""
+    a KV cache gets this layer's (layer_idx's) k and v.
+
+    Qwen3's ``q_norm`` and ``k_norm`` (an RMSNorm of each q and k head, between the
+    projection and RoPE; Hugging Face's modules): ``qkv`` then rotates nothing (its
+    frequencies are 0) and the norms and RoPE run after it (QKNormRoPE)."""
 
     def __init__(self, qkv: RMSNormQKVRoPE, o_proj: nn.Linear, scaling: float, dropout: float,
-                 sliding_window: Optional[int], layer_idx: int):
+                 sliding_window: Optional[int], layer_idx: int, q_norm: Optional[nn.Module] = None,
+                 k_norm: Optional[nn.Module] = None, rope: Optional["QKNormRoPE"] = None):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
+        if q_norm is not None:
+            self.q_norm, self.k_norm, self.rope = q_norm, k_norm, rope
         self.scaling, self.dropout, self.sliding_window = scaling, dropout, sliding_window
         self.layer_idx = layer_idx
 
     def forward(self, h, positions, stats, mask, next_eps, cache=None):
         q, k, v = self.qkv(h, positions, stats)
+        if hasattr(self, "q_norm"):
+            q, k = self.rope(q, k, positions, self.q_norm, self.k_norm)
         a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0, cache, self.layer_idx)
         return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
 
@@ -70,6 +80,36 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, scaling={self.scaling:.6g}, dropout={self.dropout}, "
                 f"sliding_window={self.sliding_window}")
+
+
+class QKNormRoPE(nn.Module):
+    """Qwen3's per-head RMSNorm of q and k, then RoPE, on q and k in coda's pair layout
+    (each head's dims j and j + head_dim/2 adjacent, as RMSNormQKVRoPE writes them): the
+    norms' weights are read in that order, and pair j rotates by inv_freq_j, with the
+    angles as Hugging Face's rotary embedding computes them (float32 position ·
+    inv_freq, cos and sin in the activations' dtype). inv_freq (head_dim/2,) is kept
+    as the int32 bits of its float32 values (model.to(dtype) leaves them exact), outside
+    the state_dict."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.register_buffer("inv_freq_bits", inv_freq.to(torch.float32).view(torch.int32), persistent=False)
+
+    def forward(self, q, k, positions, q_norm, k_norm):
+        inv_freq = self.inv_freq_bits.view(torch.float32)
+        angles = positions.to(torch.float32)[..., None, None] * inv_freq  # (..., 1 head, head_dim/2)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return _rotate(_head_norm(q, q_norm), cos, sin), _rotate(_head_norm(k, k_norm), cos, sin)
+
+
+def _head_norm(t, norm):
+    weight = norm.weight.unflatten(0, (2, -1)).t().flatten()  # rotate-half order -> pair order
+    return F.rms_norm(t, (t.shape[-1],), weight, norm.variance_epsilon)
+
+
+def _rotate(t, cos, sin):
+    even, odd = t.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
 
 
 class DecoderLayer(nn.Module):
@@ -164,9 +204,15 @@ def check(model) -> None:
     for i, layer in enumerate(base.layers):
         attn, mlp = layer.self_attn, layer.mlp
         where = f"coda.hf.patch: {name}.model.layers[{i}]"
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            raise NotImplementedError(f"{where} normalizes q and k per head (q_norm, k_norm) between the projection "
-                                      f"and RoPE, which coda's QKV GEMM applies in its epilogue: not supported")
+        if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
+            raise NotImplementedError(f"{where} has only one of q_norm and k_norm: not supported")
+        if hasattr(attn, "q_norm"):
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(attn, name)
+                if getattr(norm, "weight", None) is None or tuple(norm.weight.shape) != (attn.head_dim,) \
+                        or not hasattr(norm, "variance_epsilon"):
+                    raise NotImplementedError(f"{where}.self_attn.{name} is not an RMSNorm over head_dim "
+                                              f"({attn.head_dim}) with a weight: not supported")
         biases = [p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         if any(biases) and not all(biases):
             raise NotImplementedError(f"{where}: q/k/v biases must be all present or all absent, got {biases}")
@@ -205,6 +251,12 @@ def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float
     q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
     w = q.weight
     heads, kv_heads = q.weight.shape[0] // attn.head_dim, k.weight.shape[0] // attn.head_dim
+    rope = None
+    if hasattr(attn, "q_norm"):  # Qwen3: the norms come between the projection and RoPE, which runs after them
+        half = attn.head_dim // 2
+        full = inv_freq if inv_freq is not None else theta ** (-torch.arange(half, dtype=torch.float64) / half)
+        rope = QKNormRoPE(full).to(w.device)
+        inv_freq = torch.zeros(half, dtype=torch.float64)
     # built on the meta device: no weights drawn (the global RNG is left as it was), none allocated twice
     qkv = RMSNormQKVRoPE(w.shape[1], heads, kv_heads, attn.head_dim, theta, layer.input_layernorm.variance_epsilon,
                          bias=q.bias is not None, inv_freq=inv_freq, device="meta", dtype=w.dtype)
@@ -215,7 +267,8 @@ def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float
     freq = ops.rope_frequencies(attn.head_dim, heads, kv_heads, theta, inv_freq=inv_freq)
     qkv.freq_bits = freq.view(torch.int32).to(w.device)
     self_attn = SelfAttention(qkv, attn.o_proj, float(attn.scaling), float(getattr(attn, "attention_dropout", 0.0)),
-                              _window(attn, config), attn.layer_idx)
+                              _window(attn, config), attn.layer_idx, getattr(attn, "q_norm", None),
+                              getattr(attn, "k_norm", None), rope)
 
     g = mlp.gate_proj.weight
     new_mlp = SwiGLUMLP(g.shape[1], g.shape[0], config.hidden_act, normalization="RMSNorm",
@@ -235,7 +288,9 @@ def patch(model):
     inv_freq, theta = _rope(model)
     for i, layer in enumerate(base.layers):
         new = _decoder_layer(layer, model.config, inv_freq, theta)
-        keep_original(new, layer, shared=(layer.self_attn.o_proj, layer.mlp.down_proj))
+        shared = [layer.self_attn.o_proj, layer.mlp.down_proj]
+        shared += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n)]
+        keep_original(new, layer, shared=shared)
         base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
     patch_lm_head(model)
     object.__setattr__(base, _MASK_CONFIG, sdpa_config(model.config))

@@ -13,22 +13,13 @@ FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
 }
-# known, and why not
-REFUSED = {
-    "Qwen3ForCausalLM": "its attention normalizes q and k per head (q_norm, k_norm) between the projection and RoPE, "
-                        "which coda's QKV GEMM applies in its epilogue",
-}
-
-
 def _family(model) -> str:
     for cls in type(model).__mro__:
         if not cls.__module__.startswith("transformers."):
             continue  # a user's subclass: its transformers base decides
-        if cls.__name__ in REFUSED:
-            raise NotImplementedError(f"coda.hf.patch: {type(model).__name__} is not supported: "
-                                      f"{REFUSED[cls.__name__]}")
         if cls.__name__ in FAMILIES:
             return FAMILIES[cls.__name__]
     raise TypeError(f"coda.hf.patch: no patch for {type(model).__name__}; supported: {', '.join(FAMILIES)} "
@@ -38,11 +29,11 @@ def _family(model) -> str:
 def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
     """Run a Hugging Face causal LM's blocks as coda's fused ops, in place; returns the model.
 
-    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (coda.hf.llama)
+    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (coda.hf.llama)
     and GPT2LMHeadModel (coda.hf.gpt2); any other class raises TypeError naming it, a
-    supported class with a configuration coda cannot compute (Qwen3's q/k norms,
-    dynamic RoPE, biased MLPs, ...) NotImplementedError saying what. Patching a
-    patched model only sets lm_head_recompute.
+    supported class with a configuration coda cannot compute (dynamic RoPE, biased MLPs,
+    ...) NotImplementedError saying what. Patching a patched model only sets
+    lm_head_recompute.
 
     After the patch the model holds the same weights (the norms, biases, embeddings and
     unfused projections as the same tensors; fused projections as one copy each, the
