@@ -1,6 +1,6 @@
 """coda.hf.patch / unpatch on tiny Hugging Face models built from configs (LLaMA with
 and without tied embeddings, Mistral with a sliding window, Qwen2 with q/k/v biases,
-Qwen3 with per-head q/k norms, GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
+Qwen3 with per-head q/k norms, Phi-3 with fused q/k/v and gate/up, GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
 shapes and values as Hugging Face's; no weight kept twice; loss, logits and every
 gradient within float32 rounding of the unpatched model (relative error ≤ 1e-5: the two
 differ only in the order of float32 sums); right padding; gradient accumulation with
@@ -80,6 +80,8 @@ def config_of(family, vocab=VOCAB, **kw):
         return transformers.Qwen2Config(**llama_kwargs(vocab, **kw))
     if family == "qwen3":  # per-head q/k norms; head_dim 32 with 4 heads of a 64-wide model, as Qwen3's is its own
         return transformers.Qwen3Config(**llama_kwargs(vocab, head_dim=32, **kw))
+    if family == "phi3":  # q/k/v and gate/up fused in its checkpoint
+        return transformers.Phi3Config(**llama_kwargs(vocab, **kw))
     if family == "gpt2":
         return gpt2_config(vocab, **kw)
     raise ValueError(family)
@@ -104,7 +106,7 @@ def pair(family, vocab=VOCAB, seed=0):
     return plain, coda.hf.patch(copy.deepcopy(plain))
 
 
-FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
 
 
 def tokens(batch=2, seq=16, vocab=VOCAB):
@@ -152,7 +154,9 @@ def test_state_dict_keys_shapes_values(family):
         assert conv.weight is None and conv.bias is None
     else:
         old = coda.hf._common.original(model.model.layers[0])
-        assert old.self_attn.q_proj.weight is None and old.mlp.gate_proj.weight is None
+        fused = family == "phi3"
+        assert (old.self_attn.qkv_proj if fused else old.self_attn.q_proj).weight is None
+        assert (old.mlp.gate_up_proj if fused else old.mlp.gate_proj).weight is None
         assert model.model.layers[0].mlp.down_proj is old.mlp.down_proj  # o_proj, down_proj: the same modules
     if family == "llama_tied":
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -305,7 +309,7 @@ def test_gradient_checkpointing(monkeypatch):
 
 # ---- round trips
 
-@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "qwen3", "phi3", "gpt2"])
 def test_save_pretrained_round_trip(family, tmp_path):
     plain, model = pair(family)
     ids = tokens()
@@ -348,7 +352,7 @@ def test_state_dict_keys_are_attribute_paths(family):
     assert_state_close(other.state_dict(), plain.state_dict(), 0.0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gpt2"])
 def test_unpatch_restores_modules_with_trained_values(family):
     model = build(family)
     layers = model.transformer.h if family == "gpt2" else model.model.layers

@@ -1,5 +1,5 @@
 """LLaMA-family causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM) as chains of coda ops.
+Qwen3ForCausalLM, Phi3ForCausalLM) as chains of coda ops.
 
 Each decoder layer becomes a DecoderLayer:
 
@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import ops
 from ..nn import RMSNormQKVRoPE, SwiGLUMLP
+from ..nn import FusedPart
 from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
 from .attention import Masks, attend, sdpa_config
@@ -76,6 +77,8 @@ class SelfAttention(nn.Module):
     q_proj = property(lambda self: self.qkv.q_proj)
     k_proj = property(lambda self: self.qkv.k_proj)
     v_proj = property(lambda self: self.qkv.v_proj)
+    # Phi-3's checkpoint keeps them as one [q; k; v]
+    qkv_proj = property(lambda self: FusedPart(lambda kind: _cat(self.qkv._parts(kind)), "qkv_proj"))
 
     def extra_repr(self) -> str:
         return (f"layer_idx={self.layer_idx}, scaling={self.scaling:.6g}, dropout={self.dropout}, "
@@ -112,6 +115,19 @@ def _rotate(t, cos, sin):
     return torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
 
 
+class GateUpMLP(SwiGLUMLP):
+    """Phi-3's MLP: a SwiGLUMLP whose checkpoint keeps gate and up as one gate_up_proj,
+    the rows [gate; up] (DecoderLayer's state_dict hooks fuse and split them)."""
+
+    gate_up_proj = property(lambda self: FusedPart(
+        lambda kind: _cat(ops.split_gate_up(self.gate_up_weight.detach())) if kind == "weight" else None,
+        "gate_up_proj"))
+
+
+def _cat(parts):
+    return None if parts is None else torch.cat(list(parts))
+
+
 class DecoderLayer(nn.Module):
     """A LLaMA decoder layer as coda ops: ``self_attn`` (SelfAttention) and ``mlp``
     (coda.nn.SwiGLUMLP with the post-attention RMSNorm in front).
@@ -123,13 +139,15 @@ class DecoderLayer(nn.Module):
 
     state_dict() has the keys and layouts of the Hugging Face layer it replaced
     (input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-    mlp.{gate,up,down}_proj), in its order; load_state_dict takes them.
+    mlp.{gate,up,down}_proj; Phi-3's self_attn.qkv_proj and mlp.gate_up_proj where
+    the layer's keys have them), in its order; load_state_dict takes them.
     """
 
     def __init__(self, self_attn: SelfAttention, mlp: SwiGLUMLP, hf_keys: Sequence[str]):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
         self.hf_keys = tuple(hf_keys)
+        self.fused_keys = _QKV in self.hf_keys
         self.register_state_dict_post_hook(_save_hf_keys)
         self.register_load_state_dict_pre_hook(_load_hf_keys)
 
@@ -154,9 +172,18 @@ def _rename(local: str, pairs) -> str:
     return local
 
 
+# Phi-3's fused keys -> the separate ones they hold, in order
+_QKV, _GATE_UP = "self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"
+_FUSED = ((_QKV, ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+          (_GATE_UP, ("mlp.gate_proj.weight", "mlp.up_proj.weight")))
+
+
 def _save_hf_keys(module, state_dict, prefix, local_metadata) -> None:
     mine = [(k, state_dict.pop(k)) for k in list(state_dict) if k.startswith(prefix)]
     named = {_rename(k[len(prefix):], _RENAMES): v for k, v in mine}
+    if module.fused_keys:
+        for fused, parts in _FUSED:
+            named[fused] = torch.cat([named.pop(p) for p in parts])
     order = {k: i for i, k in enumerate(module.hf_keys)}
     for local in sorted(named, key=lambda k: order.get(k, len(order))):  # HF's order; anything new after it
         state_dict[prefix + local] = named[local]
@@ -164,6 +191,16 @@ def _save_hf_keys(module, state_dict, prefix, local_metadata) -> None:
 
 def _load_hf_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                   error_msgs) -> None:
+    if module.fused_keys:
+        sizes = (module.self_attn.qkv.sizes, (module.mlp.gate_up_weight.shape[0] // 2,) * 2)
+        for (fused, parts), split in zip(_FUSED, sizes):
+            if prefix + fused in state_dict:
+                t = state_dict.pop(prefix + fused)
+                if t.shape[0] != sum(split):
+                    error_msgs.append(f"size mismatch for {prefix + fused}: {tuple(t.shape)}, expected {sum(split)} "
+                                      f"rows")
+                    continue
+                state_dict.update((prefix + p, part) for p, part in zip(parts, t.split(split)))
     back = tuple((new, old) for old, new in _RENAMES)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         local = _rename(key[len(prefix):], back)
@@ -207,16 +244,16 @@ def check(model) -> None:
         if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
             raise NotImplementedError(f"{where} has only one of q_norm and k_norm: not supported")
         if hasattr(attn, "q_norm"):
-            for name in ("q_norm", "k_norm"):
-                norm = getattr(attn, name)
+            for part in ("q_norm", "k_norm"):
+                norm = getattr(attn, part)
                 if getattr(norm, "weight", None) is None or tuple(norm.weight.shape) != (attn.head_dim,) \
                         or not hasattr(norm, "variance_epsilon"):
-                    raise NotImplementedError(f"{where}.self_attn.{name} is not an RMSNorm over head_dim "
+                    raise NotImplementedError(f"{where}.self_attn.{part} is not an RMSNorm over head_dim "
                                               f"({attn.head_dim}) with a weight: not supported")
-        biases = [p.bias is not None for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        biases = [b is not None for b in _projections(attn, config)[1]]
         if any(biases) and not all(biases):
             raise NotImplementedError(f"{where}: q/k/v biases must be all present or all absent, got {biases}")
-        if any(p.bias is not None for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if _gate_up(mlp)[1] or mlp.down_proj.bias is not None:
             raise NotImplementedError(f"{where}: biased MLP projections (mlp_bias=True) are not supported")
         window = _window(attn, config)
         if window is not None and window != getattr(config, "sliding_window", None):
@@ -234,7 +271,35 @@ def check(model) -> None:
     except ValueError:
         raise NotImplementedError(f"coda.hf.patch: {name} has hidden_act={config.hidden_act!r}; coda's gated MLP "
                                   f"takes silu (SwiGLU) or gelu / gelu_tanh (GeGLU)") from None
+    rope = getattr(config, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise NotImplementedError(f"coda.hf.patch: {name} rotates only part of each head (partial_rotary_factor "
+                                  f"{rope.get('partial_rotary_factor')}); coda's RoPE rotates all of it")
+    if float(getattr(config, "resid_pdrop", 0.0) or 0.0) > 0:
+        raise NotImplementedError(f"coda.hf.patch: {name} has resid_pdrop={config.resid_pdrop}: a dropout between "
+                                  f"the GEMMs and the residual adds their epilogues do (train with resid_pdrop=0)")
     _rope(model)
+
+
+def _projections(attn, config):
+    """((q, k, v) weights, (q, k, v) biases or Nones, (heads, kv_heads)) of a layer's
+    attention, in the checkpoint's layout: Phi-3 keeps them as one qkv_proj."""
+    hd = attn.head_dim
+    if hasattr(attn, "qkv_proj"):
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        sizes = (heads * hd, kv_heads * hd, kv_heads * hd)
+        fused = attn.qkv_proj
+        biases = (None,) * 3 if fused.bias is None else fused.bias.split(sizes)
+        return fused.weight.split(sizes), biases, (heads, kv_heads)
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    return (q.weight, k.weight, v.weight), (q.bias, k.bias, v.bias), (q.weight.shape[0] // hd, k.weight.shape[0] // hd)
+
+
+def _gate_up(mlp):
+    """((gate, up) weights, whether either has a bias): Phi-3 keeps them as one gate_up_proj, [gate; up]."""
+    if hasattr(mlp, "gate_up_proj"):
+        return mlp.gate_up_proj.weight.chunk(2), mlp.gate_up_proj.bias is not None
+    return (mlp.gate_proj.weight, mlp.up_proj.weight), mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None
 
 
 def _window(attn, config) -> Optional[int]:
@@ -248,9 +313,8 @@ def _window(attn, config) -> Optional[int]:
 def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float) -> DecoderLayer:
     """The DecoderLayer computing what `layer` (a HF decoder layer) computes, on its tensors."""
     attn, mlp = layer.self_attn, layer.mlp
-    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-    w = q.weight
-    heads, kv_heads = q.weight.shape[0] // attn.head_dim, k.weight.shape[0] // attn.head_dim
+    weights, biases, (heads, kv_heads) = _projections(attn, config)
+    w = weights[0]
     rope = None
     if hasattr(attn, "q_norm"):  # Qwen3: the norms come between the projection and RoPE, which runs after them
         half = attn.head_dim // 2
@@ -259,22 +323,23 @@ def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float
         inv_freq = torch.zeros(half, dtype=torch.float64)
     # built on the meta device: no weights drawn (the global RNG is left as it was), none allocated twice
     qkv = RMSNormQKVRoPE(w.shape[1], heads, kv_heads, attn.head_dim, theta, layer.input_layernorm.variance_epsilon,
-                         bias=q.bias is not None, inv_freq=inv_freq, device="meta", dtype=w.dtype)
+                         bias=biases[0] is not None, inv_freq=inv_freq, device="meta", dtype=w.dtype)
     qkv.norm.weight = layer.input_layernorm.weight
-    qkv.qkv_weight = nn.Parameter(qkv.permute(torch.cat([q.weight, k.weight, v.weight])), w.requires_grad)
-    if q.bias is not None:
-        qkv.qkv_bias = nn.Parameter(qkv.permute(torch.cat([q.bias, k.bias, v.bias])), q.bias.requires_grad)
+    qkv.qkv_weight = nn.Parameter(qkv.permute(torch.cat(weights)), w.requires_grad)
+    if biases[0] is not None:
+        qkv.qkv_bias = nn.Parameter(qkv.permute(torch.cat(biases)), biases[0].requires_grad)
     freq = ops.rope_frequencies(attn.head_dim, heads, kv_heads, theta, inv_freq=inv_freq)
     qkv.freq_bits = freq.view(torch.int32).to(w.device)
     self_attn = SelfAttention(qkv, attn.o_proj, float(attn.scaling), float(getattr(attn, "attention_dropout", 0.0)),
                               _window(attn, config), attn.layer_idx, getattr(attn, "q_norm", None),
                               getattr(attn, "k_norm", None), rope)
 
-    g = mlp.gate_proj.weight
-    new_mlp = SwiGLUMLP(g.shape[1], g.shape[0], config.hidden_act, normalization="RMSNorm",
-                        eps=layer.post_attention_layernorm.variance_epsilon, device="meta", dtype=g.dtype)
+    (g, u), _ = _gate_up(mlp)
+    kind = GateUpMLP if hasattr(mlp, "gate_up_proj") else SwiGLUMLP
+    new_mlp = kind(g.shape[1], g.shape[0], config.hidden_act, normalization="RMSNorm",
+                   eps=layer.post_attention_layernorm.variance_epsilon, device="meta", dtype=g.dtype)
     new_mlp.norm.weight = layer.post_attention_layernorm.weight
-    new_mlp.gate_up_weight = nn.Parameter(ops.interleave_gate_up(g, mlp.up_proj.weight), g.requires_grad)
+    new_mlp.gate_up_weight = nn.Parameter(ops.interleave_gate_up(g, u), g.requires_grad)
     new_mlp.down_proj = mlp.down_proj
     new = DecoderLayer(self_attn, new_mlp, layer.state_dict(keep_vars=True).keys())
     new.train(layer.training)

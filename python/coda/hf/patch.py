@@ -14,6 +14,7 @@ FAMILIES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
 }
 def _family(model) -> str:
@@ -29,8 +30,8 @@ def _family(model) -> str:
 def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
     """Run a Hugging Face causal LM's blocks as coda's fused ops, in place; returns the model.
 
-    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (coda.hf.llama)
-    and GPT2LMHeadModel (coda.hf.gpt2); any other class raises TypeError naming it, a
+    Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Phi3ForCausalLM (coda.hf.llama) and GPT2LMHeadModel (coda.hf.gpt2); any other class raises TypeError naming it, a
     supported class with a configuration coda cannot compute (dynamic RoPE, biased MLPs,
     ...) NotImplementedError saying what. Patching a patched model only sets
     lm_head_recompute.

@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from ._parts import FusedPart
 from .glu_mlp import SwiGLUMLP
 from .linear import Linear
 from .lm_head import LMHead, causal_lm_loss
@@ -11,7 +12,7 @@ from .norm_mlp import LayerNormMLP
 from .rope import RMSNormQKVRoPE
 
 __all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormQKVRoPE",
-           "LMHead", "fold_weights", "unfold_weights", "causal_lm_loss"]
+           "LMHead", "FusedPart", "fold_weights", "unfold_weights", "causal_lm_loss"]
 
 
 def fold_weights(model: nn.Module) -> nn.Module:
