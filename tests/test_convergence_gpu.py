@@ -1,6 +1,6 @@
 """Convergence on the GPU, on coda's kernels: test_convergence_cpu's side-by-side training of
 the plain and the patched model (a small LLaMA with vocab 1000; one with tied embeddings
-and vocab 1003; a small Qwen3; a small Phi-3; a small GPT-2), at a size where every GEMM runs a kernel (d 256, 4 heads
+and vocab 1003; a small Qwen3; a small Phi-3; a small Gemma 3; a small GPT-2), at a size where every GEMM runs a kernel (d 256, 4 heads
 of 64, 2 layers, 4 x 128 tokens), in mixed precision: fp32 parameters and AdamW states,
 the forward and backward under torch.autocast(bfloat16), AdamW lr 5e-4, 32 steps on fixed
 batches. Plus a forward/backward of the model in bf16 parameters (as the main training
@@ -45,7 +45,7 @@ SIZES = {"llama": dict(hidden_size=256, intermediate_size=512, num_attention_hea
 PROGRAMS = {"llama": {"norm_rope_linear", "linear_residual_stats", "norm_glu_linear", "glu_dgrad_rowdot",
                       "norm_dgrad"},
             "gpt2": {"norm_linear_act", "linear_residual_stats", "dact_rowdot", "norm_dgrad"}}
-CASES = [("llama", 1000), ("llama_tied", 1003), ("qwen3", 1000), ("phi3", 1000), ("gpt2", 1000)]
+CASES = [("llama", 1000), ("llama_tied", 1003), ("qwen3", 1000), ("phi3", 1000), ("gemma3", 1000), ("gpt2", 1000)]
 
 
 def sizes(family):
@@ -113,7 +113,7 @@ def bf16_model_errors(family, device):
     return errors
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma3", "gpt2"])
 def test_bf16_model_within_bf16_error(family, fallbacks):
     # the model in bf16 parameters, as the main job trains it: the patched model's loss, logits and
     # gradients no further from the float32 model's than the plain model's in bf16 are (slack 1.5x, 2x

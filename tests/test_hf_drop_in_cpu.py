@@ -133,7 +133,7 @@ def test_generate_with_a_kv_cache(family):
         assert rel_err(step, whole) <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gpt2"])
 def test_output_hidden_states(family):
     plain, model = pair(family)
     ids = tokens()
@@ -167,7 +167,7 @@ def test_config_options():
         model(ids, output_attentions=True)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gpt2"])
 def test_a_step_traces_whole(family):
     # torch.compile(fullgraph=True): no host sync and no branch on the data in a patched step (what CUDA-graph
     # capture and mode="reduce-overhead" need), with the all-ones mask a Trainer passes and with packed rows

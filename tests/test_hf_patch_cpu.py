@@ -1,6 +1,6 @@
 """coda.hf.patch / unpatch on tiny Hugging Face models built from configs (LLaMA with
 and without tied embeddings, Mistral with a sliding window, Qwen2 with q/k/v biases,
-Qwen3 with per-head q/k norms, Phi-3 with fused q/k/v and gate/up, GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
+Qwen3 with per-head q/k norms, Phi-3 with fused q/k/v and gate/up, Gemma 3, GPT-2), on the CPU in float32, where every op runs its reference path: state_dict keys,
 shapes and values as Hugging Face's; no weight kept twice; loss, logits and every
 gradient within float32 rounding of the unpatched model (relative error ≤ 1e-5: the two
 differ only in the order of float32 sums); right padding; gradient accumulation with
@@ -82,6 +82,10 @@ def config_of(family, vocab=VOCAB, **kw):
         return transformers.Qwen3Config(**llama_kwargs(vocab, head_dim=32, **kw))
     if family == "phi3":  # q/k/v and gate/up fused in its checkpoint
         return transformers.Phi3Config(**llama_kwargs(vocab, **kw))
+    if family == "gemma3":  # local (window 8) and global layers, 1 + w norms, sandwich norms, GeGLU-tanh, softcap
+        return transformers.Gemma3TextConfig(**llama_kwargs(vocab, head_dim=32, sliding_window=8,
+                                                            layer_types=["sliding_attention", "full_attention"],
+                                                            final_logit_softcapping=30.0, **kw))
     if family == "gpt2":
         return gpt2_config(vocab, **kw)
     raise ValueError(family)
@@ -106,7 +110,7 @@ def pair(family, vocab=VOCAB, seed=0):
     return plain, coda.hf.patch(copy.deepcopy(plain))
 
 
-FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gpt2"]
+FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"]
 
 
 def tokens(batch=2, seq=16, vocab=VOCAB):
@@ -309,7 +313,7 @@ def test_gradient_checkpointing(monkeypatch):
 
 # ---- round trips
 
-@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "qwen3", "phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"])
 def test_save_pretrained_round_trip(family, tmp_path):
     plain, model = pair(family)
     ids = tokens()
@@ -352,7 +356,7 @@ def test_state_dict_keys_are_attribute_paths(family):
     assert_state_close(other.state_dict(), plain.state_dict(), 0.0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3", "gpt2"])
 def test_unpatch_restores_modules_with_trained_values(family):
     model = build(family)
     layers = model.transformer.h if family == "gpt2" else model.model.layers

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import ops
 from ..nn import RMSNormQKVRoPE, SwiGLUMLP
 from ..nn import FusedPart
+from ..nn.norm_linear import norm_eps, norm_gamma
 from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
 from .attention import Masks, attend, sdpa_config
@@ -66,11 +67,15 @@ class SelfAttention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(self, h, positions, stats, mask, next_eps, cache=None):
+        a = self.attention(h, positions, stats, mask, cache)
+        return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
+
+    def attention(self, h, positions, stats, mask, cache=None):
+        """The attention's output before o_proj, (..., heads·head_dim)."""
         q, k, v = self.qkv(h, positions, stats)
         if hasattr(self, "q_norm"):
             q, k = self.rope(q, k, positions, self.q_norm, self.k_norm)
-        a = attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0, cache, self.layer_idx)
-        return ops.linear_residual(a, self.o_proj.weight, self.o_proj.bias, h, "RMSNorm", next_eps)
+        return attend(q, k, v, self.scaling, mask, self.dropout if self.training else 0.0, cache, self.layer_idx)
 
     # Hugging Face's attribute paths of the state_dict keys (q_proj.weight, ...), for tools that
     # resolve keys to attributes (torch.distributed.checkpoint's get_model_state_dict)
@@ -92,22 +97,22 @@ class QKNormRoPE(nn.Module):
     angles as Hugging Face's rotary embedding computes them (float32 position ·
     inv_freq, cos and sin in the activations' dtype). inv_freq (head_dim/2,) is kept
     as the int32 bits of its float32 values (model.to(dtype) leaves them exact), outside
-    the state_dict."""
+    the state_dict. zero_centered: the norms scale by 1 + weight (Gemma's)."""
 
-    def __init__(self, inv_freq: torch.Tensor):
+    def __init__(self, inv_freq: torch.Tensor, zero_centered: bool = False):
         super().__init__()
         self.register_buffer("inv_freq_bits", inv_freq.to(torch.float32).view(torch.int32), persistent=False)
+        self.zero_centered = zero_centered
 
     def forward(self, q, k, positions, q_norm, k_norm):
         inv_freq = self.inv_freq_bits.view(torch.float32)
         angles = positions.to(torch.float32)[..., None, None] * inv_freq  # (..., 1 head, head_dim/2)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return _rotate(_head_norm(q, q_norm), cos, sin), _rotate(_head_norm(k, k_norm), cos, sin)
+        return (_rotate(self._norm(q, q_norm), cos, sin), _rotate(self._norm(k, k_norm), cos, sin))
 
-
-def _head_norm(t, norm):
-    weight = norm.weight.unflatten(0, (2, -1)).t().flatten()  # rotate-half order -> pair order
-    return F.rms_norm(t, (t.shape[-1],), weight, norm.variance_epsilon)
+    def _norm(self, t, norm):
+        weight = norm_gamma(norm.weight, self.zero_centered).unflatten(0, (2, -1)).t().flatten()  # -> pair order
+        return F.rms_norm(t, (t.shape[-1],), weight, norm_eps(norm))
 
 
 def _rotate(t, cos, sin):
@@ -142,6 +147,8 @@ class DecoderLayer(nn.Module):
     mlp.{gate,up,down}_proj; Phi-3's self_attn.qkv_proj and mlp.gate_up_proj where
     the layer's keys have them), in its order; load_state_dict takes them.
     """
+
+    renames = _RENAMES
 
     def __init__(self, self_attn: SelfAttention, mlp: SwiGLUMLP, hf_keys: Sequence[str]):
         super().__init__()
@@ -180,7 +187,7 @@ _FUSED = ((_QKV, ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_at
 
 def _save_hf_keys(module, state_dict, prefix, local_metadata) -> None:
     mine = [(k, state_dict.pop(k)) for k in list(state_dict) if k.startswith(prefix)]
-    named = {_rename(k[len(prefix):], _RENAMES): v for k, v in mine}
+    named = {_rename(k[len(prefix):], module.renames): v for k, v in mine}
     if module.fused_keys:
         for fused, parts in _FUSED:
             named[fused] = torch.cat([named.pop(p) for p in parts])
@@ -201,7 +208,7 @@ def _load_hf_keys(module, state_dict, prefix, local_metadata, strict, missing_ke
                                       f"rows")
                     continue
                 state_dict.update((prefix + p, part) for p, part in zip(parts, t.split(split)))
-    back = tuple((new, old) for old, new in _RENAMES)
+    back = tuple((new, old) for old, new in module.renames)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         local = _rename(key[len(prefix):], back)
         if local != key[len(prefix):]:
@@ -349,16 +356,23 @@ def _decoder_layer(layer, config, inv_freq: Optional[torch.Tensor], theta: float
 def patch(model):
     """Patch a LLaMA-family causal LM in place (see the module's docstring); returns it."""
     check(model)
-    base = model.model
     inv_freq, theta = _rope(model)
+    return patch_layers(model, lambda layer: _decoder_layer(layer, model.config, inv_freq, theta))
+
+
+def patch_layers(model, make, zero_centered: bool = False):
+    """Each decoder layer -> make(layer), the LM head and the forwards: the patch every family
+    of this shape (model.model.layers, .norm, .embed_tokens; model.lm_head) shares.
+    zero_centered: the final norm scales by 1 + weight (Gemma's)."""
+    base = model.model
     for i, layer in enumerate(base.layers):
-        new = _decoder_layer(layer, model.config, inv_freq, theta)
-        shared = [layer.self_attn.o_proj, layer.mlp.down_proj]
-        shared += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n)]
-        keep_original(new, layer, shared=shared)
+        new = make(layer)
+        mine = {id(m) for m in new.modules()}
+        keep_original(new, layer, shared=[m for m in layer.modules() if id(m) in mine])  # o_proj, down_proj, ...
         base.layers[i] = new  # the fused copies replace q/k/v and gate/up layer by layer: no peak of two
     patch_lm_head(model)
     object.__setattr__(base, _MASK_CONFIG, sdpa_config(model.config))
+    object.__setattr__(base, _ZERO_CENTERED, zero_centered)
     base.forward = types.MethodType(_model_forward, base)
     model.forward = types.MethodType(_causal_lm_forward, model)
     return model
@@ -377,12 +391,14 @@ def unpatch(model):
     for m in (base, model):
         m.__dict__.pop("forward", None)
     base.__dict__.pop(_MASK_CONFIG, None)
+    base.__dict__.pop(_ZERO_CENTERED, None)
     return model
 
 
 # ---- the patched forwards
 
 _MASK_CONFIG = "_coda_mask_config"  # on the patched base model: its config for transformers' SDPA masks
+_ZERO_CENTERED = "_coda_zero_centered"  # on the patched base model: whether its final norm scales by 1 + weight
 
 
 def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden: bool, where: str):
@@ -428,17 +444,20 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     h, stats, hidden = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden,
                             where)
     norm = self.model.norm
+    softcap = getattr(self.config, "final_logit_softcapping", None)
     normed = norm(h) if labels is None or want_hidden else None
     if labels is None:
         logits = self.lm_head(keep_last(normed, logits_to_keep))
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         out = CausalLMOutputWithPast(logits=logits, cache=cache, hidden_states=_hidden_states(hidden, normed))
         return return_as(out, return_dict, self.config)
     if not keeps_all(logits_to_keep):
         raise NotImplementedError(f"{where}: logits_to_keep with labels is not supported (the loss covers every "
                                   f"position)")
-    loss = self.lm_head(h, labels, norm=(norm.weight, norm.variance_epsilon),
-                        ignore_index=kwargs.get("ignore_index", -100),
-                        num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats)
+    gamma = norm_gamma(norm.weight, getattr(self.model, _ZERO_CENTERED))
+    loss = self.lm_head(h, labels, norm=(gamma, norm_eps(norm)), ignore_index=kwargs.get("ignore_index", -100),
+                        num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats, softcap=softcap)
     out = CausalLMOutputWithPast(loss=loss, cache=cache, hidden_states=_hidden_states(hidden, normed))
     return return_as(out, return_dict, self.config)
 

@@ -15,6 +15,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Phi3ForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma",
     "GPT2LMHeadModel": "gpt2",
 }
 def _family(model) -> str:
@@ -31,7 +32,8 @@ def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
     """Run a Hugging Face causal LM's blocks as coda's fused ops, in place; returns the model.
 
     Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-    Phi3ForCausalLM (coda.hf.llama) and GPT2LMHeadModel (coda.hf.gpt2); any other class raises TypeError naming it, a
+    Phi3ForCausalLM (coda.hf.llama), Gemma3ForCausalLM (coda.hf.gemma) and GPT2LMHeadModel
+    (coda.hf.gpt2); any other class raises TypeError naming it, a
     supported class with a configuration coda cannot compute (dynamic RoPE, biased MLPs,
     ...) NotImplementedError saying what. Patching a patched model only sets
     lm_head_recompute.

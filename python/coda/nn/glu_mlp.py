@@ -9,7 +9,7 @@ from torch import nn
 from .. import ops
 from ..ops import glu
 from ._parts import part_property
-from .norm_linear import make_norm
+from .norm_linear import make_norm, norm_eps, norm_gamma
 
 
 def replace_key(state_dict, prefix: str, key: str, items: Iterable[Tuple[str, torch.Tensor]]) -> None:
@@ -47,7 +47,8 @@ class SwiGLUMLP(nn.Module):
     Qwen2MLP, in their layout: ``gate_proj.weight``, ``up_proj.weight`` (copies
     of the interleaved rows; views with keep_vars=True), ``down_proj.weight``
     (and ``norm.weight`` with a norm). load_state_dict takes those, or
-    ``gate_up_weight`` already interleaved.
+    ``gate_up_weight`` already interleaved. zero_centered_gamma (Transformer Engine's
+    name): the norm scales by 1 + norm.weight (Gemma's), the weight initialized to 0.
 
     forward(x, residual=None, stats=None, return_stats=False): residual=x is
     the pre-norm block x + MLP(Norm(x)); stats, return_stats (with a norm
@@ -55,8 +56,10 @@ class SwiGLUMLP(nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "silu", bias: bool = False,
-                 normalization: Optional[str] = None, eps: Optional[float] = None, device=None, dtype=None):
+                 normalization: Optional[str] = None, eps: Optional[float] = None, zero_centered_gamma: bool = False,
+                 device=None, dtype=None):
         super().__init__()
+        self.zero_centered_gamma = bool(zero_centered_gamma)
         glu._gate_code(activation, "nn.SwiGLUMLP")
         if bias:
             raise NotImplementedError("coda.nn.SwiGLUMLP: biased gate/up/down projections are not supported yet")
@@ -78,6 +81,9 @@ class SwiGLUMLP(nn.Module):
         """gate_up_weight as nn.Linear initializes gate_proj and up_proj (the
         rows are independent, so interleaving changes nothing)."""
         nn.init.kaiming_uniform_(self.gate_up_weight, a=math.sqrt(5))
+        norm = getattr(self, "norm", None)
+        if self.zero_centered_gamma and norm is not None and not norm.weight.is_meta:
+            nn.init.zeros_(norm.weight)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, stats: Optional[torch.Tensor] = None,
                 return_stats: bool = False):
@@ -87,13 +93,15 @@ class SwiGLUMLP(nn.Module):
                                  "(normalization='RMSNorm')")
             return ops.glu_mlp(x, self.gate_up_weight, self.down_proj.weight, self.activation, residual)
         layernorm = isinstance(self.norm, nn.LayerNorm)
-        return ops.norm_glu_mlp(x, self.norm.weight, self.norm.bias if layernorm else None, self.gate_up_weight,
-                                self.down_proj.weight, "LayerNorm" if layernorm else "RMSNorm", self.norm.eps,
+        gamma = norm_gamma(self.norm.weight, self.zero_centered_gamma)
+        return ops.norm_glu_mlp(x, gamma, self.norm.bias if layernorm else None, self.gate_up_weight,
+                                self.down_proj.weight, "LayerNorm" if layernorm else "RMSNorm", norm_eps(self.norm),
                                 self.activation, residual, stats, return_stats)
 
     def extra_repr(self) -> str:
         f2, d = self.gate_up_weight.shape
-        return f"gate_up_weight=({f2}, {d}), activation={self.activation!r}, normalization={self.normalization!r}"
+        return (f"gate_up_weight=({f2}, {d}), activation={self.activation!r}, normalization={self.normalization!r}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
 
 
 def _save_gate_up(module, state_dict, prefix, local_metadata) -> None:

@@ -19,6 +19,16 @@ def make_norm(normalization: str, size: int, eps: Optional[float], device=None, 
     return nn.RMSNorm(size, eps=eps, device=device, dtype=dtype)
 
 
+def norm_gamma(weight: torch.Tensor, zero_centered: bool) -> torch.Tensor:
+    """The scale a norm applies: its weight, or 1 + weight where zero-centered (added in float32, rounded once)."""
+    return (weight.float() + 1).to(weight.dtype) if zero_centered else weight
+
+
+def norm_eps(norm: nn.Module) -> Optional[float]:
+    """A norm module's eps: torch's norms' .eps, or Hugging Face's RMSNorms' .variance_epsilon."""
+    return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
+
+
 class NormInFront(nn.Module):
     """What LayerNormLinear and LayerNormMLP share: a norm in front of a
     Linear whose weight the norm is folded into, an activation name, and the

@@ -9,6 +9,7 @@ from torch import nn
 from .. import ops
 from ._parts import part_property
 from .glu_mlp import exported, replace_key
+from .norm_linear import norm_eps, norm_gamma
 
 _PROJ = ("q_proj", "k_proj", "v_proj")
 
@@ -34,7 +35,9 @@ class RMSNormQKVRoPE(nn.Module):
     module stores q and k rows pair-permuted. False (GPT-J, Meta's original
     LLaMA): adjacent dims rotate together, stored as they are. inv_freq:
     optional (head_dim/2,) frequencies in radians per position for scaled
-    variants (llama3, NTK); else rope_theta^(−2i/head_dim).
+    variants (llama3, NTK); else rope_theta^(−2i/head_dim). zero_centered_gamma
+    (Transformer Engine's name): the norm scales by 1 + norm.weight (Gemma's), the
+    weight initialized to 0.
 
     forward(x, positions, stats=None, hf_order=False) -> (q, k, v), each
     (..., heads, head_dim), views of one (..., N) output. x: (..., D);
@@ -50,8 +53,10 @@ class RMSNormQKVRoPE(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: Optional[int] = None,
                  rope_theta: float = 10000.0, eps: Optional[float] = None, bias: bool = False,
-                 rotate_half: bool = True, inv_freq: Optional[torch.Tensor] = None, device=None, dtype=None):
+                 rotate_half: bool = True, inv_freq: Optional[torch.Tensor] = None, zero_centered_gamma: bool = False,
+                 device=None, dtype=None):
         super().__init__()
+        self.zero_centered_gamma = bool(zero_centered_gamma)
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, \
             head_dim
@@ -83,6 +88,8 @@ class RMSNormQKVRoPE(nn.Module):
     def reset_parameters(self) -> None:
         """The weight and bias as three nn.Linear initialize them, and freq recomputed."""
         nn.init.kaiming_uniform_(self.qkv_weight, a=math.sqrt(5))
+        if self.zero_centered_gamma and self.norm.weight is not None and not self.norm.weight.is_meta:
+            nn.init.zeros_(self.norm.weight)
         if self.qkv_bias is not None:
             bound = 1 / math.sqrt(self.hidden_size)
             nn.init.uniform_(self.qkv_bias, -bound, bound)
@@ -105,8 +112,8 @@ class RMSNormQKVRoPE(nn.Module):
                 hf_order: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if isinstance(positions, torch.Tensor) and isinstance(x, torch.Tensor) and positions.shape != x.shape[:-1]:
             positions = positions.expand(x.shape[:-1])
-        y = ops.rmsnorm_linear_rope(x, self.norm.weight, self.qkv_weight, positions, self.freq, self.qkv_bias,
-                                    self.norm.eps, stats)
+        y = ops.rmsnorm_linear_rope(x, norm_gamma(self.norm.weight, self.zero_centered_gamma), self.qkv_weight,
+                                    positions, self.freq, self.qkv_bias, norm_eps(self.norm), stats)
         q, k, v = y.split(self.sizes, -1)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         if hf_order and self.rotate_half:
@@ -116,7 +123,7 @@ class RMSNormQKVRoPE(nn.Module):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, rope_theta={self.rope_theta}, rotate_half={self.rotate_half}, "
-                f"bias={self.qkv_bias is not None}")
+                f"bias={self.qkv_bias is not None}, zero_centered_gamma={self.zero_centered_gamma}")
 
 
 def _rotate_half_order(t: torch.Tensor) -> torch.Tensor:
