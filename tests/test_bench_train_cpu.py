@@ -182,3 +182,18 @@ def test_liger_globals_are_swapped_in_for_its_own_steps():
     with g.patched():
         assert modeling_llama.apply_rotary_pos_emb is replacement
     assert modeling_llama.apply_rotary_pos_emb is original
+
+
+@pytest.mark.skipif(not HAS_CODA_HF, reason="coda.hf is not importable")
+def test_other_families_train_as_hf(monkeypatch, tmp_path):
+    # --models qwen3_0.6b,phi3mini_8l,gemma3_1b: their tiny twins on the CPU, coda's loss curve as hf's
+    _cpu_only(monkeypatch)
+    models = "qwen3_0.6b,phi3mini_8l,gemma3_1b"
+    assert cli.main(["--models", models, "--impls", "hf,coda", "--out", str(tmp_path), "--no-plot"]) == 0
+    data = json.load(open(glob.glob(os.path.join(tmp_path, "*-train-*.json"))[0]))
+    assert not data["skipped"], data["skipped"]
+    for tiny in ("qwen3_tiny", "phi3_tiny", "gemma3_tiny"):
+        curves = data["loss_curves"][f"train_step_{tiny}_b2_s64"]
+        assert len(curves["coda"]) == 3
+        for a, b in zip(curves["coda"], curves["hf"]):
+            assert abs(a - b) <= 1e-4 * b, (tiny, curves)

@@ -52,31 +52,39 @@ import torch
 from .timing import why
 
 IMPLS = ("hf", "liger", "compile", "coda", "coda_compile")
-# on request only (--impls): coda with the LM head's three-GEMM backward (a float32 dW from the forward)
-EXTRA_IMPLS = ("coda_3gemm",)
+# on request only (--impls): coda with the LM head's three-GEMM backward (a float32 dW from the forward); the
+# model's forward and backward captured in CUDA graphs by torch.compile(mode="reduce-overhead"), unpatched and
+# patched (where the host, not the GPU, bounds a step: small models)
+EXTRA_IMPLS = ("coda_3gemm", "compile_graphs", "coda_graphs")
 SEED = 0
 LR = 3e-4
 DATA_FRACTION = 8  # tokens are drawn from the first vocab // DATA_FRACTION ids
 
 
+# family -> transformers' config class
+CONFIGS = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig",
+           "gpt2": "GPT2Config"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str    # the case's model label
-    family: str  # "llama" | "gpt2"
+    family: str  # a key of CONFIGS
     config: Dict
 
     def build_config(self, seq: int):
         import transformers
         kw = dict(self.config, use_cache=False)
-        if self.family == "llama":
+        cls = getattr(transformers, CONFIGS[self.family])
+        if "rope_theta" in kw:
             theta = kw.pop("rope_theta")
-            if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:  # transformers 5
+            if "rope_parameters" in inspect.signature(cls.__init__).parameters:  # transformers 5
                 kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
             else:
                 kw["rope_theta"] = theta
-            return transformers.LlamaConfig(**kw)
-        kw["n_positions"] = max(kw["n_positions"], seq)
-        return transformers.GPT2Config(**kw)
+        if "n_positions" in kw:
+            kw["n_positions"] = max(kw["n_positions"], seq)
+        return cls(**kw)
 
 
 _LLAMA_IDS = dict(bos_token_id=128000, eos_token_id=128001)
@@ -89,6 +97,27 @@ MODELS: Dict[str, ModelSpec] = {
     "gpt2medium": ModelSpec("gpt2medium", "gpt2", dict(
         vocab_size=50257, n_positions=2048, n_embd=1024, n_layer=24, n_head=16,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)),
+    # on request (--models): the other families, at the shapes of their small checkpoints
+    "gpt2small": ModelSpec("gpt2small", "gpt2", dict(
+        vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)),
+    "qwen3_0.6b": ModelSpec("qwen3_0.6b", "qwen3", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+        bos_token_id=151643, eos_token_id=151645)),
+    # Phi-3-mini's layer (d 3072, ffn 8192, 32 heads of 96) and vocabulary, 8 of its 32 layers: six impls' models,
+    # gradients and AdamW states resident side by side fit on one 80 GB GPU
+    "phi3mini_8l": ModelSpec("phi3mini_8l", "phi3", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+        num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000, pad_token_id=32000)),
+    # Gemma-3-1B: 5 local layers (window 512) to 1 global, head_dim 256, vocab 262,144
+    "gemma3_1b": ModelSpec("gemma3_1b", "gemma3", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)),
     "llama_tiny": ModelSpec("llama_tiny", "llama", dict(
         vocab_size=2048, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
@@ -97,8 +126,23 @@ MODELS: Dict[str, ModelSpec] = {
     "gpt2_tiny": ModelSpec("gpt2_tiny", "gpt2", dict(
         vocab_size=2048, n_positions=256, n_embd=128, n_layer=2, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
+    "qwen3_tiny": ModelSpec("qwen3_tiny", "qwen3", dict(
+        vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=1000000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)),
+    "phi3_tiny": ModelSpec("phi3_tiny", "phi3", dict(
+        vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "gemma3_tiny": ModelSpec("gemma3_tiny", "gemma3", dict(
+        vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=4096, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32, tie_word_embeddings=True,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)),
 }
-TINY = {"llama1b": "llama_tiny", "gpt2medium": "gpt2_tiny"}  # what the CPU trains instead
+# what the CPU trains instead
+TINY = {"llama1b": "llama_tiny", "gpt2medium": "gpt2_tiny", "gpt2small": "gpt2_tiny", "qwen3_0.6b": "qwen3_tiny",
+        "phi3mini_8l": "phi3_tiny", "gemma3_1b": "gemma3_tiny"}
 
 
 @dataclass
@@ -132,8 +176,8 @@ class Skip(Exception):
     """An impl that does not apply here (not installed, no patch for this model): reported, not failed."""
 
 
-def _compile(model):
-    return torch.compile(model)  # the run resets dynamo between models, not between impls that train side by side
+def _compile(model, **options):
+    return torch.compile(model, **options)  # the run resets dynamo between models, not between impls side by side
 
 
 def _coda_patch(model, **options):
@@ -146,33 +190,34 @@ def _coda_patch(model, **options):
 
 
 class _LigerGlobals:
-    """apply_liger_kernel_to_llama rebinds modeling_llama's module globals: the classes later
-    builds take (RMSNorm, MLP) and apply_rotary_pos_emb, which every Llama model calls at run
-    time. Kept both ways: the originals back for the impls built and trained beside it, Liger's
-    swapped in while its own model trains (`patched()`)."""
+    """Liger's apply_liger_kernel_to_<family> rebinds the family's modeling module's globals
+    (modeling_llama, modeling_qwen3, ...): the classes later builds take (RMSNorm, MLP) and
+    apply_rotary_pos_emb, which every model of the family calls at run time, and the causal
+    LM's forward. Kept both ways: the originals back for the impls built and trained beside
+    it, Liger's swapped in while its own model trains (`patched()`)."""
 
-    def __init__(self, module):
-        self.module, self.saved = module, dict(vars(module))
-        self.forward = getattr(module, "LlamaForCausalLM").forward
+    def __init__(self, module, lm: str = "LlamaForCausalLM"):
+        self.module, self.saved, self.lm = module, dict(vars(module)), lm
+        self.forward = getattr(module, lm).forward
         self.patch: Dict[str, object] = {}
         self.patch_forward = self.forward
 
     def keep(self):
         """Records what the patch changed (call once it has run)."""
         self.patch = {k: v for k, v in vars(self.module).items() if self.saved.get(k, _MISSING) is not v}
-        self.patch_forward = self.module.LlamaForCausalLM.forward
+        self.patch_forward = getattr(self.module, self.lm).forward
 
     def restore(self):
         for name, value in self.saved.items():
             if vars(self.module).get(name, value) is not value:
                 setattr(self.module, name, value)
-        self.module.LlamaForCausalLM.forward = self.forward
+        getattr(self.module, self.lm).forward = self.forward
 
     @contextlib.contextmanager
     def patched(self):
         for name, value in self.patch.items():
             setattr(self.module, name, value)
-        self.module.LlamaForCausalLM.forward = self.patch_forward
+        getattr(self.module, self.lm).forward = self.patch_forward
         try:
             yield
         finally:
@@ -194,9 +239,8 @@ def _liger(model):
     apply = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", {}).get(model_type)
     if apply is None:
         raise Skip(f"Liger-Kernel has no patch for {model_type}")
-    if model_type == "llama":
-        from transformers.models.llama import modeling_llama
-        _liger_globals.append(_LigerGlobals(modeling_llama))
+    cls = type(model)
+    _liger_globals.append(_LigerGlobals(sys.modules[cls.__module__], cls.__name__))
     try:
         apply(model=model)  # its defaults: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy
     finally:
@@ -219,6 +263,8 @@ IMPL_FNS: Dict[str, Callable] = {
     "coda": _coda_patch,
     "coda_compile": lambda m: _compile(_coda_patch(m)),
     "coda_3gemm": lambda m: _coda_patch(m, lm_head_recompute=False),
+    "compile_graphs": lambda m: _compile(m, mode="reduce-overhead"),
+    "coda_graphs": lambda m: _compile(_coda_patch(m), mode="reduce-overhead"),
 }
 
 
