@@ -12,9 +12,9 @@ Each decoder layer becomes a DecoderLayer:
 so every GEMM that writes the residual stream also reduces the statistics of the norm
 after it, and that norm's GEMM takes them (`stats=`) instead of a pass over h: within
 a layer and across layers, where the next layer's RMSNormQKVRoPE takes the MLP's. The
-last layer's go to the final norm, folded into the LM head's cross-entropy
-(coda.nn.causal_lm_loss). Backward: each op's backward treats the statistics as
-functions of h, so gradients are those of the unfused model.
+final norm is folded into the LM head's cross-entropy (coda.nn.causal_lm_loss).
+Backward: each op's backward treats the statistics as functions of h, so gradients are
+those of the unfused model.
 
 Parameters: the norms', o_proj's and down_proj's are the model's own tensors (the same
 Parameter objects); q/k/v become one pair-permuted [q; k; v] weight and gate/up one
@@ -402,8 +402,8 @@ _ZERO_CENTERED = "_coda_zero_centered"  # on the patched base model: whether its
 
 
 def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden: bool, where: str):
-    """Embeddings and the decoder layers: (h, the RMSNorm statistics of h, the hidden
-    states Hugging Face's output_hidden_states returns but the last, or None)."""
+    """Embeddings and the decoder layers: (h, the hidden states Hugging Face's
+    output_hidden_states returns but the last, or None)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"{where}: pass exactly one of input_ids and inputs_embeds")
     h = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -422,7 +422,7 @@ def _run(base, input_ids, attention_mask, position_ids, inputs_embeds, cache, wa
             h, stats = checkpoint(layer, h, position_ids, stats, mask, use_reentrant=False)
         else:
             h, stats = layer(h, position_ids, stats, mask, cache)
-    return h, stats, hidden
+    return h, hidden
 
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
@@ -430,7 +430,7 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
     from transformers.modeling_outputs import BaseModelOutputWithPast
     where = f"coda.hf patched {type(self).__name__}"
     cache, want_hidden = forward_options(where, self, cache, use_cache, kwargs)
-    h, _, hidden = _run(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden, where)
+    h, hidden = _run(self, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden, where)
     h = self.norm(h)
     out = BaseModelOutputWithPast(last_hidden_state=h, cache=cache, hidden_states=_hidden_states(hidden, h))
     return return_as(out, return_dict, self.config)
@@ -441,8 +441,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     from transformers.modeling_outputs import CausalLMOutputWithPast
     where = f"coda.hf patched {type(self).__name__}"
     cache, want_hidden = forward_options(where, self.model, cache, use_cache, kwargs)
-    h, stats, hidden = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden,
-                            where)
+    h, hidden = _run(self.model, input_ids, attention_mask, position_ids, inputs_embeds, cache, want_hidden, where)
     norm = self.model.norm
     softcap = getattr(self.config, "final_logit_softcapping", None)
     normed = norm(h) if labels is None or want_hidden else None
@@ -457,7 +456,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                   f"position)")
     gamma = norm_gamma(norm.weight, getattr(self.model, _ZERO_CENTERED))
     loss = self.lm_head(h, labels, norm=(gamma, norm_eps(norm)), ignore_index=kwargs.get("ignore_index", -100),
-                        num_items_in_batch=kwargs.get("num_items_in_batch"), stats=stats, softcap=softcap)
+                        num_items_in_batch=kwargs.get("num_items_in_batch"), softcap=softcap)
     out = CausalLMOutputWithPast(loss=loss, cache=cache, hidden_states=_hidden_states(hidden, normed))
     return return_as(out, return_dict, self.config)
 

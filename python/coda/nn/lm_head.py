@@ -16,7 +16,7 @@ Norm = Union[None, nn.Module, Tuple[Tensor, Optional[float]]]
 
 def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm = None,
                    bias: Optional[Tensor] = None, ignore_index: int = -100, num_items_in_batch=None,
-                   softcap: Optional[float] = None, stats: Optional[Tensor] = None, recompute: bool = True) -> Tensor:
+                   softcap: Optional[float] = None, recompute: bool = True) -> Tensor:
     """Next-token cross-entropy of Norm(hidden)·weightᵀ (+ bias) against labels, as
     Hugging Face's causal LMs compute it, through coda.ops.linear_cross_entropy: the
     (tokens, vocab) logits are never materialized.
@@ -29,11 +29,8 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     hidden is neither shifted nor copied). Tokens labelled ignore_index do not count.
 
     norm: None (hidden is already normalized); an ``nn.RMSNorm`` or a pair
-    ``(weight, eps)`` meaning RMSNorm (LLaMA's final norm), applied inside the op,
-    where ``stats`` (float32 (B, S, 2) row statistics of hidden, as
-    coda.ops.linear_residual and SwiGLUMLP(return_stats=True) return them) may be
-    passed (the op takes them and, today, reduces its own); or any other module
-    (e.g. GPT-2's nn.LayerNorm), applied in torch first. softcap: tanh
+    ``(weight, eps)`` meaning RMSNorm (LLaMA's final norm), applied inside the op;
+    or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch first. softcap: tanh
     soft-capping of the logits (Gemma 2), or None. recompute:
     linear_cross_entropy's (True: gradients rounded as torch's, four GEMMs; False:
     three GEMMs, dW summed over chunks in float32: 4 bytes per weight more).
@@ -56,12 +53,7 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     elif isinstance(norm, nn.RMSNorm):
         norm_weight, norm_eps = norm.weight, norm.eps
     elif norm is not None:
-        if stats is not None:
-            raise ValueError(f"coda.nn.causal_lm_loss: stats are the row statistics of an RMSNorm applied inside the "
-                             f"op; {type(norm).__name__} is applied in torch first and takes none")
         hidden = norm(hidden)
-    elif stats is not None:
-        raise ValueError("coda.nn.causal_lm_loss: stats need norm= (the RMSNorm they are the statistics of)")
 
     # labels[t + 1] is the target of position t; the last position of each row has none
     target = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
@@ -71,7 +63,7 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
                            "lacks")
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = loss_fn(hidden, weight, target.to(hidden.device), bias, ignore_index=ignore_index, reduction=reduction,
-                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, stats=stats, recompute=recompute)
+                   softcap=softcap, norm_weight=norm_weight, norm_eps=norm_eps, recompute=recompute)
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -84,11 +76,10 @@ class LMHead(nn.Linear):
     state_dict) whose forward also takes the labels and then returns the causal-LM loss
     (causal_lm_loss) instead of the logits.
 
-    forward(hidden) -> logits, as nn.Linear; forward(hidden, labels, norm=..., stats=...,
-    **loss_args) -> the loss. The loss reads the weight inside this module's forward, which
+    forward(hidden) -> logits, as nn.Linear; forward(hidden, labels, norm=..., **loss_args)
+    -> the loss. The loss reads the weight inside this module's forward, which
     is where wrappers that shard parameters (FSDP2's fully_shard(lm_head)) hand it over
-    whole. Statistics that are not float32 (a wrapper's mixed precision casts forward
-    inputs) are dropped, and the norm reduces its own. ``recompute`` (an attribute,
+    whole. ``recompute`` (an attribute,
     default True) is the loss's (causal_lm_loss).
     """
 
@@ -106,12 +97,10 @@ class LMHead(nn.Linear):
         return new
 
     def forward(self, hidden: Tensor, labels: Optional[Tensor] = None, *, norm: Norm = None,
-                stats: Optional[Tensor] = None, **loss_args) -> Tensor:
+                **loss_args) -> Tensor:
         if labels is None:
-            if norm is not None or stats is not None or loss_args:
-                raise ValueError("coda.nn.LMHead: norm, stats and the loss's arguments need labels")
+            if norm is not None or loss_args:
+                raise ValueError("coda.nn.LMHead: norm and the loss's arguments need labels")
             return F.linear(hidden, self.weight, self.bias)
-        if stats is not None and stats.dtype != torch.float32:
-            stats = None
         loss_args.setdefault("recompute", self.recompute)
-        return causal_lm_loss(hidden, self.weight, labels, norm=norm, bias=self.bias, stats=stats, **loss_args)
+        return causal_lm_loss(hidden, self.weight, labels, norm=norm, bias=self.bias, **loss_args)

@@ -70,8 +70,7 @@ if _kernels.has_op("linear_cross_entropy_loss"):
 def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                    softcap: Optional[float] = None, z_loss: float = 0.0,
-                                   norm_weight: Optional[Tensor] = None, norm_eps: Optional[float] = None,
-                                   stats: Optional[Tensor] = None) -> Tensor:
+                                   norm_weight: Optional[Tensor] = None, norm_eps: Optional[float] = None) -> Tensor:
     """The same loss from the materialized logits (F.linear, then
     F.cross_entropy on them, in float32 for 16-bit inputs, as Hugging Face's
     loss upcasts them)."""
@@ -125,7 +124,7 @@ def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: Optional[float] = None, z_loss: float = 0.0, norm_weight: Optional[Tensor] = None,
-                         norm_eps: Optional[float] = None, stats: Optional[Tensor] = None,
+                         norm_eps: Optional[float] = None,
                          recompute: bool = True, chunk_tokens: Optional[int] = None,
                          chunk_vocab: Optional[int] = None) -> Tensor:
     """cross_entropy(x·weightᵀ + bias, target) without the logits in memory.
@@ -138,9 +137,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     softcap) first (Gemma 2); z_loss: adds z_loss·logsumexp² per row (PaLM).
     norm_weight: an RMSNorm (γ = norm_weight, eps = norm_eps, None: machine
     epsilon as nn.RMSNorm) applied to x first, the final norm every decoder
-    puts before its LM head; stats is accepted for chaining (linear_residual's
-    row statistics) and not needed: the norm is one pass over (tokens, D),
-    small beside the head.
+    puts before its LM head (one pass over (tokens, D), small beside the head).
 
     recompute (default True): the backward recomputes the logits by slices of
     the vocabulary, so every gradient is rounded once, as torch's unfused
