@@ -13,16 +13,6 @@ namespace {
 // A test or benchmark override; -1 leaves a choice to the rule.
 std::atomic<int> override_config{-1}, override_raster{-1}, override_swizzle{-1};
 
-bool is_forward(Program p) {
-  return p == Program::kLinearAct || p == Program::kNormLinearAct || p == Program::kLinearResidualStats ||
-         p == Program::kNormGluLinear || p == Program::kNormRopeLinear;
-}
-
-bool is_dgrad(Program p) {
-  return p == Program::kDActDBias || p == Program::kDActRowDot || p == Program::kNormDgrad ||
-         p == Program::kGluDgradRowDot;
-}
-
 // The first configuration built for (p, t) in this order.
 Config first_built(Program p, DType t, std::initializer_list<Config> order) {
   for (Config c : order) {
@@ -62,37 +52,35 @@ int swizzle_for(Config c, int64_t m, int64_t n) {
 
 Choice choose(Program p, DType t, int64_t m, int64_t n, int64_t k) {
   Choice c;
-  if (is_forward(p)) {
-    // Ping-pong hides one warp group's epilogue behind the other's mainloop:
-    // at 8,192 x d 1024-2048 and 2,048 x d 4096 it ran every forward 0.93-1.11x
-    // cuBLAS (swizzle as below), the cooperative 128x256 tiles 1.04-1.6x.
-    // fc2's shape (N < K) at 16,384 x 4096 is the exception, 1.028x against
-    // 1.055x. With K <= 1024 (16 k-blocks a tile) or M <= 512 (4 row tiles)
-    // the cooperative 128x128 tiles beat both for the plain forward: fc1 at
-    // 8,192 x d 1024 1.34x against 1.61x, o-proj at 512 x d 2048 1.47x
-    // against 1.89x.
-    if ((k <= 1024 || m <= 512) && p == Program::kLinearAct && is_built(p, t, Config::kCooperative128x128)) {
-      c.config = Config::kCooperative128x128;
-    } else if (n < k && m * n >= (int64_t(1) << 26)) {
+  switch (pass_of(p)) {  // one rule per pass: kernels/table.def gives every program its pass
+    case Pass::kForward:
+      // Ping-pong hides one warp group's epilogue behind the other's mainloop:
+      // at 8,192 x d 1024-2048 and 2,048 x d 4096 it ran every forward 0.93-1.11x
+      // cuBLAS (swizzle as below), the cooperative 128x256 tiles 1.04-1.6x.
+      // fc2's shape (N < K) at 16,384 x 4096 is the exception, 1.028x against
+      // 1.055x. With K <= 1024 (16 k-blocks a tile) or M <= 512 (4 row tiles)
+      // the cooperative 128x128 tiles beat both for the plain forward: fc1 at
+      // 8,192 x d 1024 1.34x against 1.61x, o-proj at 512 x d 2048 1.47x
+      // against 1.89x.
+      if ((k <= 1024 || m <= 512) && p == Program::kLinearAct && is_built(p, t, Config::kCooperative128x128)) {
+        c.config = Config::kCooperative128x128;
+      } else if (n < k && m * n >= (int64_t(1) << 26)) {
+        c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+      } else {
+        c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
+      }
+      c.raster = 1;
+      break;
+    case Pass::kDgrad:
+      // The cooperative 128x256 tiles where built; a program built in ping-pong only (the GLU
+      // dgrad: kernels/table.def says why) takes that.
       c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
-    } else {
-      c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
-    }
-    c.raster = 1;
-  } else if (p == Program::kGluDgradRowDot) {
-    // Its epilogue loads the (g, u) pairs and stores (dg, du) as 32-bit lanes:
-    // 66 KB of shared memory that leaves the cooperative 128x256 tile 3
-    // mainloop stages (3776 us against cuBLAS's 2738 at LLaMA-3-8B x 16,384);
-    // ping-pong 128x128 keeps 6 and hides the epilogue behind the other warp
-    // group's mainloop (benchmarks/NOTES.md).
-    c.config = first_built(p, t, {Config::kPingpong128x128, Config::kCooperative128x256});
-    c.raster = n > k ? 2 : 1;
-  } else if (is_dgrad(p)) {
-    c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
-    c.raster = n > k ? 2 : 1;
-  } else {
-    c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
-    c.raster = 2;
+      c.raster = n > k ? 2 : 1;
+      break;
+    case Pass::kWgrad:
+      c.config = first_built(p, t, {Config::kCooperative128x256, Config::kPingpong128x128});
+      c.raster = 2;
+      break;
   }
   const int oc = override_config.load(std::memory_order_relaxed);
   if (oc >= 0 && oc < kConfigCount && is_built(p, t, static_cast<Config>(oc))) c.config = static_cast<Config>(oc);

@@ -1,5 +1,5 @@
-// From (program, dtype, configuration) to the kernel that kernels/table.def
-// lists for it, with a launch counter per (program, configuration): tests
+// From (program, dtype, configuration) to the kernel built for it (kernel_list.def:
+// kernels/table.def's CODA_KERNEL lines as CMake kept them), with a launch counter per (program, configuration): tests
 // assert through it that a kernel ran rather than a reference path.
 #include <atomic>
 #include <string>
@@ -23,33 +23,6 @@ Status unlisted(Program p, DType t, Config c) {
 }
 
 }  // namespace
-
-const char* config_name(Config c) {
-  switch (c) {
-    case Config::kCooperative128x256: return "cooperative_128x256_2x1";
-    case Config::kPingpong128x128: return "pingpong_128x128_1x2";
-    case Config::kCooperative256x128: return "cooperative_256x128_1x2";
-    case Config::kCooperative128x128: return "cooperative_128x128_1x2";
-    case Config::kPingpong64x128: return "pingpong_64x128_1x2";
-  }
-  return "unknown";
-}
-
-const char* program_name(Program p) {
-  switch (p) {
-    case Program::kLinearAct: return "linear_act";
-    case Program::kDActDBias: return "dact_dbias";
-    case Program::kWgradStore: return "wgrad_store";
-    case Program::kNormLinearAct: return "norm_linear_act";
-    case Program::kLinearResidualStats: return "linear_residual_stats";
-    case Program::kDActRowDot: return "dact_rowdot";
-    case Program::kNormDgrad: return "norm_dgrad";
-    case Program::kNormGluLinear: return "norm_glu_linear";
-    case Program::kGluDgradRowDot: return "glu_dgrad_rowdot";
-    case Program::kNormRopeLinear: return "norm_rope_linear";
-  }
-  return "unknown";
-}
 
 bool is_built(Program p, DType t, Config c) {
 #define CODA_KERNEL(P_, T_, C_) \
@@ -88,19 +61,9 @@ int64_t launch_count(Program p, Config c) {
   return launches[static_cast<int>(p)][static_cast<int>(c)].load(std::memory_order_relaxed);
 }
 
-#define CODA_PROGRAM(P)                                                                               \
+#define CODA_PROGRAM(P, ...)                                                                          \
   template Status run<Program::P>(DType, Config, const GemmProblem&, const Epilogue<Program::P>&);   \
   template size_t workspace_size<Program::P>(DType, Config, const GemmProblem&, const Epilogue<Program::P>&);
-CODA_PROGRAM(kLinearAct)
-CODA_PROGRAM(kDActDBias)
-CODA_PROGRAM(kWgradStore)
-CODA_PROGRAM(kNormLinearAct)
-CODA_PROGRAM(kLinearResidualStats)
-CODA_PROGRAM(kDActRowDot)
-CODA_PROGRAM(kNormDgrad)
-CODA_PROGRAM(kNormGluLinear)
-CODA_PROGRAM(kGluDgradRowDot)
-CODA_PROGRAM(kNormRopeLinear)
-#undef CODA_PROGRAM
+#include "kernels/table.def"
 
 }  // namespace coda::kernels

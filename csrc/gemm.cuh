@@ -51,22 +51,12 @@ struct PingpongTile {
 template <Config C>
 struct TileConfig;
 
-using cute::_1;
-using cute::_2;
-using cute::_64;
-using cute::_128;
-using cute::_256;
-
-template <>
-struct TileConfig<Config::kCooperative128x256> : CooperativeTile<cute::Shape<_128, _256, _64>, cute::Shape<_2, _1, _1>> {};
-template <>
-struct TileConfig<Config::kPingpong128x128> : PingpongTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>> {};
-template <>
-struct TileConfig<Config::kCooperative256x128> : CooperativeTile<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>> {};
-template <>
-struct TileConfig<Config::kCooperative128x128> : CooperativeTile<cute::Shape<_128, _128, _64>, cute::Shape<_1, _2, _1>> {};
-template <>
-struct TileConfig<Config::kPingpong64x128> : PingpongTile<cute::Shape<_64, _128, _64>, cute::Shape<_1, _2, _1>> {};
+#define CODA_CONFIG(E, name, schedule, tm, tn, cm, cn)                                              \
+  template <>                                                                                     \
+  struct TileConfig<Config::E>                                                                    \
+      : schedule##Tile<cute::Shape<cute::Int<tm>, cute::Int<tn>, cute::_64>, cute::Shape<cute::Int<cm>, \
+                                                                                        cute::Int<cn>, cute::_1>> {};
+#include "kernels/table.def"
 
 // A stride of the (rows, cols, batch) kind CUTLASS wants, from one leading
 // dimension: whichever mode the stride type fixes to 1 is the contiguous one.

@@ -26,36 +26,13 @@ using ColumnMajor = cutlass::layout::ColumnMajor;
 // N-major B (the dgrad); dYᵀ is a column-major A (the wgrad).
 template <Program P>
 struct ProgramGemm;
-template <> struct ProgramGemm<Program::kLinearAct> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearAct>;
-};
-template <> struct ProgramGemm<Program::kDActDBias> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBias>;
-};
-template <> struct ProgramGemm<Program::kWgradStore> {
-  template <DType T, Config C> using type = Gemm<T, ColumnMajor, RowMajor, C, epilogues::Store>;
-};
-template <> struct ProgramGemm<Program::kNormLinearAct> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormLinearAct>;
-};
-template <> struct ProgramGemm<Program::kLinearResidualStats> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::LinearResidualStats>;
-};
-template <> struct ProgramGemm<Program::kDActRowDot> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::DActDBiasRowDot>;
-};
-template <> struct ProgramGemm<Program::kNormDgrad> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::NormDgrad>;
-};
-template <> struct ProgramGemm<Program::kNormGluLinear> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormGluLinear>;
-};
-template <> struct ProgramGemm<Program::kGluDgradRowDot> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, RowMajor, C, epilogues::GluDgradRowDot>;
-};
-template <> struct ProgramGemm<Program::kNormRopeLinear> {
-  template <DType T, Config C> using type = Gemm<T, RowMajor, ColumnMajor, C, epilogues::NormRopeLinear>;
-};
+#define CODA_PROGRAM(E, name, pass, arguments, A, B, program) \
+  template <>                                                  \
+  struct ProgramGemm<Program::E> {                             \
+    template <DType T, Config C>                               \
+    using type = Gemm<T, A, B, C, epilogues::program>;         \
+  };
+#include "kernels/table.def"
 
 // Carves 256-byte-aligned fp32 buffers out of an op's scratch bytes, or,
 // called with a null base, only counts them (the workspace-size query).
@@ -350,7 +327,8 @@ Status launch(const GemmProblem& p, const Epilogue<P>& e) {
 
 }  // namespace coda::kernels
 
-// The explicit instantiation of one line of kernels/table.def.
+// The explicit instantiation of one CODA_KERNEL line of kernels/table.def (the generated
+// translation units hold one each).
 #define CODA_KERNEL(P, T, C)                                                                                      \
   template Status launch<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);     \
   template size_t workspace<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);

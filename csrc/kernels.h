@@ -1,7 +1,7 @@
 // The kernels the library holds, declared without CUTLASS so that the API and
-// the torch bindings compile in seconds. kernels/table.def lists every
-// instantiation; CMake makes one translation unit of each line, and the
-// dispatch (dispatch.cpp) finds them from the same list.
+// the torch bindings compile in seconds. kernels/table.def declares every
+// configuration, program and kernel; CMake makes one translation unit of each
+// kernel, and the dispatch (dispatch.cpp) finds them from the same list.
 #pragma once
 
 #include <cstddef>
@@ -11,51 +11,74 @@
 
 namespace coda::kernels {
 
-// Tile, cluster and schedule of a GEMM (gemm.cuh, TileConfig). Ping-pong
-// overlaps one warp group's epilogue with the other's mainloop.
+// Tile, cluster and schedule of a GEMM (kernels/table.def's CODA_CONFIG lines; gemm.cuh's
+// TileConfig). Ping-pong overlaps one warp group's epilogue with the other's mainloop.
 enum class Config : int {
-  kCooperative128x256 = 0,  // 128x256x64 tile, 2x1 cluster, cooperative
-  kPingpong128x128 = 1,     // 128x128x64 tile, 1x2 cluster, ping-pong
-  kCooperative128x128 = 3,  // 128x128x64 tile, 1x2 cluster, cooperative (forwards with K <= 1024)
-  // Sweep candidates for small problems (benchmarks/sweep.py, CODA_EXTRA_KERNELS):
-  kCooperative256x128 = 2,  // 256x128x64 tile, 1x2 cluster, cooperative (cuBLAS's pick at d = 1024)
-  kPingpong64x128 = 4,      // 64x128x64 tile, 1x2 cluster, ping-pong
+#define CODA_CONFIG(E, ...) E,
+#include "kernels/table.def"
 };
-constexpr int kConfigCount = 5;
-const char* config_name(Config c);
+constexpr int kConfigCount = 0
+#define CODA_CONFIG(...) +1
+#include "kernels/table.def"
+    ;
 
-// A configuration's output tile and cluster, in CTAs (gemm.cuh asserts they
-// match TileConfig): what the kernel choice needs to count a problem's tiles.
+constexpr const char* config_name(Config c) {
+  switch (c) {
+#define CODA_CONFIG(E, name, ...) \
+  case Config::E:                 \
+    return #name;
+#include "kernels/table.def"
+  }
+  return "unknown";
+}
+
+// A configuration's output tile and cluster, in CTAs: what the kernel choice needs to
+// count a problem's tiles.
 struct TileShape2 {
   int tile_m, tile_n, cluster_m, cluster_n;
 };
 constexpr TileShape2 tile_shape(Config c) {
   switch (c) {
-    case Config::kCooperative128x256: return {128, 256, 2, 1};
-    case Config::kPingpong128x128: return {128, 128, 1, 2};
-    case Config::kCooperative256x128: return {256, 128, 1, 2};
-    case Config::kCooperative128x128: return {128, 128, 1, 2};
-    case Config::kPingpong64x128: return {64, 128, 1, 2};
+#define CODA_CONFIG(E, name, schedule, tm, tn, cm, cn) \
+  case Config::E:                                      \
+    return {tm, tn, cm, cn};
+#include "kernels/table.def"
   }
-  return {128, 256, 2, 1};
+  return {0, 0, 1, 1};
 }
 
-// The epilogue programs (cutlass_epilogues/), one kernel family each, with
-// the operand layouts of the GEMM they run in (kernels.cuh).
+// The epilogue programs (kernels/table.def's CODA_PROGRAM lines; cutlass_epilogues/),
+// one kernel family each, and the pass each runs in: the kernel choice has one rule
+// per pass, so a program cannot be declared without the rule it takes.
+enum class Pass : int { kForward, kDgrad, kWgrad };
 enum class Program : int {
-  kLinearAct = 0,            // forward: act(X·Wᵀ + b) + R, H stored
-  kDActDBias = 1,            // dgrad: (dY·W) ⊙ act'(H), Σ_m
-  kWgradStore = 2,           // wgrad: dYᵀ·X
-  kNormLinearAct = 3,        // forward of a folded norm
-  kLinearResidualStats = 4,  // forward + residual + the next norm's row sums
-  kDActRowDot = 5,           // dgrad with act', Σ_m and the norm's row dots
-  kNormDgrad = 6,            // dgrad with the norm's input gradient
-  kNormGluLinear = 7,        // gate/up forward of a gated MLP: H and act(g)·u
-  kGluDgradRowDot = 8,       // down dgrad of a gated MLP: (dg, du) and the norm's row dot
-  kNormRopeLinear = 9,       // QKV forward with the rotary embedding
+#define CODA_PROGRAM(E, ...) E,
+#include "kernels/table.def"
 };
-constexpr int kProgramCount = 10;
-const char* program_name(Program p);
+constexpr int kProgramCount = 0
+#define CODA_PROGRAM(...) +1
+#include "kernels/table.def"
+    ;
+
+constexpr const char* program_name(Program p) {
+  switch (p) {
+#define CODA_PROGRAM(E, name, ...) \
+  case Program::E:                 \
+    return #name;
+#include "kernels/table.def"
+  }
+  return "unknown";
+}
+
+constexpr Pass pass_of(Program p) {
+  switch (p) {
+#define CODA_PROGRAM(E, name, pass, ...) \
+  case Program::E:                       \
+    return Pass::pass;
+#include "kernels/table.def"
+  }
+  return Pass::kWgrad;
+}
 
 // D = epilogue(A·B) in CUTLASS's (M, N, K) terms, with leading dimensions.
 struct GemmProblem {
@@ -170,16 +193,12 @@ struct NormRopeEpilogue {
 
 template <Program P>
 struct EpilogueOf;
-template <> struct EpilogueOf<Program::kLinearAct> { using type = LinearActEpilogue; };
-template <> struct EpilogueOf<Program::kDActDBias> { using type = DActDBiasEpilogue; };
-template <> struct EpilogueOf<Program::kWgradStore> { using type = StoreEpilogue; };
-template <> struct EpilogueOf<Program::kNormLinearAct> { using type = NormLinearEpilogue; };
-template <> struct EpilogueOf<Program::kLinearResidualStats> { using type = LinearResidualStatsEpilogue; };
-template <> struct EpilogueOf<Program::kDActRowDot> { using type = DActRowDotEpilogue; };
-template <> struct EpilogueOf<Program::kNormDgrad> { using type = NormDgradEpilogue; };
-template <> struct EpilogueOf<Program::kNormGluLinear> { using type = NormGluEpilogue; };
-template <> struct EpilogueOf<Program::kGluDgradRowDot> { using type = GluDgradEpilogue; };
-template <> struct EpilogueOf<Program::kNormRopeLinear> { using type = NormRopeEpilogue; };
+#define CODA_PROGRAM(E, name, pass, arguments, ...) \
+  template <>                                      \
+  struct EpilogueOf<Program::E> {                  \
+    using type = arguments;                        \
+  };
+#include "kernels/table.def"
 template <Program P>
 using Epilogue = typename EpilogueOf<P>::type;
 

@@ -38,6 +38,18 @@ std::vector<std::string> kernels_built() {
   return out;
 }
 
+// "name/pass" of every program kernels/table.def declares, in its order.
+std::vector<std::string> programs() {
+  std::vector<std::string> out;
+  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
+    const coda::kernels::Pass pass = coda::kernels::pass_of(Program(p));
+    out.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" +
+                  (pass == coda::kernels::Pass::kForward ? "forward"
+                                                          : pass == coda::kernels::Pass::kDgrad ? "dgrad" : "wgrad"));
+  }
+  return out;
+}
+
 // "program/config" -> launches so far, as two lists.
 std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
   std::vector<std::string> keys;
@@ -72,6 +84,7 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("device_supported(int device) -> bool", &device_supported);
   m.def("_set_kernel_override(int config, int raster, int swizzle) -> ()", &set_kernel_override);
   m.def("_kernels_built() -> str[]", &kernels_built);
+  m.def("_programs() -> str[]", &programs);
   m.def("_launch_counts() -> (str[], int[])", &launch_counts);
   m.def("_kernel_choice(str program, str dtype, int m, int n, int k, int sms) -> (str, int, int, bool)",
         &kernel_choice);

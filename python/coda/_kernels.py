@@ -141,6 +141,11 @@ def kernels_built() -> Dict[str, Dict[int, str]]:
     return out
 
 
+def programs() -> Dict[str, str]:
+    """program name -> its pass ("forward", "dgrad", "wgrad"), as csrc/kernels/table.def declares them."""
+    return dict(entry.split("/") for entry in torch.ops.coda._programs())
+
+
 def kernel_configs(program: str) -> Dict[int, str]:
     """The configurations a program ("linear_act", "dact_dbias", ...) is built in."""
     return kernels_built().get(program, {})
