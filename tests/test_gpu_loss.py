@@ -240,6 +240,29 @@ def test_peak_memory_is_an_eighth_of_the_fp32_logits(recompute):
     assert extra <= bound + (4 << 20), f"extra {extra / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gemms_leave_torchs_cublas_switch(recompute, seed):
+    """The head's GEMMs reduce in float32 by their own handle's math mode: torch's process-wide switch for
+    16-bit reductions is neither flipped nor read (bit-identical results under either setting)."""
+    x, w = rand(1000, 1024, dtype=BF16), rand(50257, 1024, dtype=BF16, scale=1024**-0.5)
+    t = targets(1000, 50257, 0.1)
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    results = []
+    try:
+        for allowed in (True, False):
+            matmul.allow_bf16_reduced_precision_reduction = allowed
+            xl, wl = leaves(x, w)
+            loss = ops.linear_cross_entropy(xl, wl, t, recompute=recompute)
+            loss.backward(torch.tensor(1.3, device="cuda"))
+            assert matmul.allow_bf16_reduced_precision_reduction is allowed
+            results.append((loss.detach(), xl.grad, wl.grad))
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_op_check_and_compile(seed):
     x, w, t = rand(100, 256, dtype=BF16), rand(3001, 256, dtype=BF16, scale=256**-0.5), targets(100, 3001, 0.1)
     b = rand(3001, dtype=BF16)

@@ -27,9 +27,8 @@
 // problems may take 16 MiB of logits and a 64 MiB dX); recompute false adds
 // the float32 dW (4 bytes per weight, and W's own dtype beside it while the
 // backward rounds it). The lm_head benchmark times both.
-#include <mutex>
-
 #include "autograd.h"
+#include "blas.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
@@ -94,25 +93,12 @@ CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int6
   return a;
 }
 
-// acc += a·b with a, b 16-bit and acc float32: in the GEMM's epilogue where
-// torch has addmm's out_dtype form for them, else through a float32 product.
-void add_product_f32(Tensor& acc, const Tensor& a, const Tensor& b) {
-  try {
-    at::addmm_out(acc, acc, a, b, at::kFloat);
-  } catch (const c10::OutOfMemoryError&) {
-    throw;
-  } catch (const c10::Error&) {  // this torch's addmm takes no float32 self beside 16-bit operands
-    acc.add_(at::mm(a, b, at::kFloat));
-  }
-}
-
 // out = a·b, or out += a·b with `accumulate`; out float32 or a's dtype.
 // Into float32, a K that is no multiple of 8 is cut there and the last few
-// columns added by a second GEMM (into 16 bits that would round twice): at
-// GPT-2's vocabulary (50,257, the K of the dX GEMMs) and chunks of 1,639
-// tokens (the K of the dW GEMMs) the GPT-2-medium training step took
-// 73.2 ms with the three-GEMM head and 58.4 recomputing; cut, and with
-// chunks of multiples of 8, 56.8 and 53.2 (H100, b41c505 → ec3b77c).
+// columns added by a second GEMM (into 16 bits that would round twice):
+// cuBLAS runs a K of GPT-2's vocabulary (50,257, the K of the dX GEMMs) or
+// of a chunk of 1,639 tokens (the K of the dW GEMMs) far below its speed
+// (benchmarks/README, the three-GEMM head at GPT-2's vocabulary).
 void product(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
   const int64_t k = a.size(1), k8 = k / 8 * 8;
   if (k % 8 != 0 && k8 > 0 && out.scalar_type() == at::kFloat) {
@@ -120,24 +106,14 @@ void product(Tensor& out, const Tensor& a, const Tensor& b, bool accumulate) {
     product(out, a.narrow(1, k8, k - k8), b.narrow(0, k8, k - k8), true);
     return;
   }
-  const bool f32 = out.scalar_type() == at::kFloat && a.scalar_type() != at::kFloat;
-  if (!accumulate) {
-    f32 ? at::mm_out(out, a, b, at::kFloat) : at::mm_out(out, a, b);
-  } else if (f32) {
-    add_product_f32(out, a, b);
-  } else {
-    out.addmm_(a, b);
-  }
+  blas::matmul(out, a, b, accumulate ? 1.f : 0.f);
 }
 
 // z = x·wᵀ (+ bias): the LM-head GEMM of the forward's chunks and of both
 // recomputing passes' slices.
 void logits_into(Tensor& z, const Tensor& x, const Tensor& w, const OptTensor& bias) {
-  if (bias) {
-    at::addmm_out(z, *bias, x, w.t());
-  } else {
-    at::mm_out(z, x, w.t());
-  }
+  if (bias) z.copy_(bias->unsqueeze(0).expand_as(z));
+  blas::matmul(z, x, w.t(), bias ? 1.f : 0.f);
 }
 
 // The forward's chunks of tokens: the per-row losses (m,) and log-sum-exps
@@ -218,56 +194,6 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
 bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }
 Tensor prescale_of(const Tensor& count) { return at::exp2(-at::floor(at::log2(count) * 0.5)); }
 
-// cuBLAS may split K and reduce the partial sums in 16 bits (torch allows
-// it by default), rounding a logit twice; which shapes it does that for is
-// its heuristics' choice, so a slice of the vocabulary could get it where
-// torch's one GEMM of the whole did not. While one of these lives, bf16/fp16
-// GEMMs reduce in float32 (split-K still allowed). The setting is the
-// process's: threads in the op at once share one save and restore (the
-// first in saves, the last out restores), and other threads' GEMMs meanwhile
-// reduce in float32 too.
-class FullPrecisionReduction {
- public:
-  FullPrecisionReduction() {
-    std::lock_guard<std::mutex> lock(mutex());
-    State& s = state();
-    if (s.depth++ == 0) {
-      s.bf16 = ctx().allowBF16ReductionCuBLAS();
-      s.fp16 = ctx().allowFP16ReductionCuBLAS();
-      ctx().setAllowBF16ReductionCuBLAS(false, splitk(s.bf16));
-      ctx().setAllowFP16ReductionCuBLAS(false, splitk(s.fp16));
-    }
-  }
-  ~FullPrecisionReduction() {
-    std::lock_guard<std::mutex> lock(mutex());
-    State& s = state();
-    if (--s.depth == 0) {
-      ctx().setAllowBF16ReductionCuBLAS(reduced(s.bf16), splitk(s.bf16));
-      ctx().setAllowFP16ReductionCuBLAS(reduced(s.fp16), splitk(s.fp16));
-    }
-  }
-  FullPrecisionReduction(const FullPrecisionReduction&) = delete;
-  FullPrecisionReduction& operator=(const FullPrecisionReduction&) = delete;
-
- private:
-  using Option = at::CuBLASReductionOption;
-  static at::Context& ctx() { return at::globalContext(); }
-  static bool reduced(Option o) { return o == Option::AllowReducedPrecisionWithSplitK; }
-  static bool splitk(Option o) { return o != Option::DisallowReducedPrecisionDisallowSplitK; }
-  struct State {
-    int depth = 0;
-    Option bf16{}, fp16{};
-  };
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static State& state() {
-    static State s;
-    return s;
-  }
-};
-
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
 // `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
@@ -278,7 +204,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
-  FullPrecisionReduction full_precision;
   expect_reduction(reduction);
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0);
@@ -322,7 +247,6 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
                                                        double label_smoothing, double softcap, double z_loss,
                                                        int64_t reduction, int64_t chunk) {
   c10::cuda::CUDAGuard guard(x_.device());
-  FullPrecisionReduction full_precision;
   expect_reduction(reduction);
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0), n = w.size(0);
@@ -353,7 +277,6 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     const Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
     std::array<bool, 3> needs) {
   c10::cuda::CUDAGuard guard(x_.device());
-  FullPrecisionReduction full_precision;
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy_backward");
   const int64_t m = x.size(0), n = w.size(0);
   expect(lse.numel() == m && lse.scalar_type() == at::kFloat,
@@ -390,7 +313,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     if (needs[0]) product(dx, z, wv, v0 > 0);
     if (needs[1]) {
       Tensor dwv = dw.narrow(0, v0, len);
-      at::mm_out(dwv, z.t(), x);
+      blas::matmul(dwv, z.t(), x, 0.f);
     }
     if (needs[2]) db.narrow(0, v0, len).copy_(z.sum(0, false, at::kFloat));
   }
