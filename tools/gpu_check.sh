@@ -9,8 +9,8 @@
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # CODA_COMMIT names the commit the results files are stamped with (a copied tree's .git
 # may point elsewhere). The tests fail, not skip, where coda._C does not load;
-# CODA_SEED=<n> fixes their random draws: the seed a failing test reports makes its
-# draw reproducible.
+# Each test draws from its own fixed seed; CODA_SEED=<n> (or random) mixes n into
+# every test's seed, for other inputs.
 # BENCH_ARGS (e.g. "--only mlp,norm"; empty: the training comparison) go to coda.bench, CODA_CMAKE_ARGS to the build;
 # EXTRA_KERNELS="program:dtype:config;..." builds those beside the library's table
 # (-DCODA_EXTRA_KERNELS, in build/gpu-extra) for the sweep, the probe and the profile;

@@ -43,12 +43,6 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
-def has_op(name: str) -> bool:
-    """Whether the loaded extension has torch.ops.coda.<name> (one built before
-    the op was added has not: its calls then run the reference path)."""
-    return LOAD_ERROR is None and hasattr(torch.ops.coda, name)
-
-
 _sm90_of: Dict[int, bool] = {}
 
 

@@ -88,7 +88,7 @@ def check(model) -> None:
         raise NotImplementedError(f"coda.hf.patch: {name} attends bidirectionally (use_bidirectional_attention): "
                                   f"coda's patch is for causal LMs")
     try:
-        ops.glu._gate_code(config.hidden_activation, "hf.patch")
+        ops.check_activation(config.hidden_activation, "hf.patch", gated=True)
     except ValueError:
         raise NotImplementedError(f"coda.hf.patch: {name} has hidden_activation={config.hidden_activation!r}; coda's "
                                   f"gated MLP takes silu or gelu / gelu_tanh") from None

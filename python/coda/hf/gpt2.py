@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import _activations, ops
+from .. import ops
 from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
 from .attention import Masks, attend, sdpa_config
@@ -103,7 +103,7 @@ def check(model) -> None:
         raise NotImplementedError(f"coda.hf.patch: {name} has cross-attention (add_cross_attention=True): "
                                   f"not supported")
     try:
-        _activations.code(config.activation_function)
+        ops.check_activation(config.activation_function, "hf.patch")
     except ValueError:
         raise NotImplementedError(f"coda.hf.patch: {name} has activation_function="
                                   f"{config.activation_function!r}, which coda's MLP does not have") from None

@@ -33,9 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
-from ..nn import RMSNormQKVRoPE, SwiGLUMLP
-from ..nn import FusedPart
-from ..nn.norm_linear import norm_eps, norm_gamma
+from ..nn import FusedPart, RMSNormQKVRoPE, SwiGLUMLP, norm_eps, norm_gamma
 from ._common import (forward_options, keep_last, keep_original, keeps_all, original, patch_lm_head, remats,
                       restore_parameters, return_as, unpatch_lm_head)
 from .attention import Masks, attend, sdpa_config
@@ -274,7 +272,7 @@ def check(model) -> None:
             raise NotImplementedError(f"{where}: its norms have different eps {sorted(eps)}; the statistics one GEMM "
                                       f"hands to the next norm are computed with that norm's eps")
     try:
-        ops.glu._gate_code(config.hidden_act, "hf.patch")
+        ops.check_activation(config.hidden_act, "hf.patch", gated=True)
     except ValueError:
         raise NotImplementedError(f"coda.hf.patch: {name} has hidden_act={config.hidden_act!r}; coda's gated MLP "
                                   f"takes silu (SwiGLU) or gelu / gelu_tanh (GeGLU)") from None

@@ -7,12 +7,12 @@ from .glu_mlp import SwiGLUMLP
 from .linear import Linear
 from .lm_head import LMHead, causal_lm_loss
 from .mlp import MLP
-from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear
+from .norm_linear import LayerNormLinear, NormInFront, RMSNormLinear, norm_eps, norm_gamma
 from .norm_mlp import LayerNormMLP
 from .rope import RMSNormQKVRoPE
 
 __all__ = ["Linear", "MLP", "SwiGLUMLP", "LayerNormLinear", "RMSNormLinear", "LayerNormMLP", "RMSNormQKVRoPE",
-           "LMHead", "FusedPart", "fold_weights", "unfold_weights", "causal_lm_loss"]
+           "LMHead", "FusedPart", "fold_weights", "unfold_weights", "causal_lm_loss", "norm_gamma", "norm_eps"]
 
 
 def fold_weights(model: nn.Module) -> nn.Module:

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops import glu
 from ._parts import part_property
 from .norm_linear import make_norm, norm_eps, norm_gamma
 
@@ -60,7 +59,7 @@ class SwiGLUMLP(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.zero_centered_gamma = bool(zero_centered_gamma)
-        glu._gate_code(activation, "nn.SwiGLUMLP")
+        ops.check_activation(activation, "nn.SwiGLUMLP", gated=True)
         if bias:
             raise NotImplementedError("coda.nn.SwiGLUMLP: biased gate/up/down projections are not supported yet")
         self.activation = activation
@@ -74,7 +73,7 @@ class SwiGLUMLP(nn.Module):
         self.register_load_state_dict_pre_hook(_load_gate_up)
 
     # the state_dict's gate_proj / up_proj as attributes (coda/nn/_parts.py)
-    gate_proj, up_proj = (part_property(p, i, lambda m, kind: glu.split_gate_up(m.gate_up_weight.detach())
+    gate_proj, up_proj = (part_property(p, i, lambda m, kind: ops.split_gate_up(m.gate_up_weight.detach())
                                         if kind == "weight" else None) for i, p in enumerate(("gate_proj", "up_proj")))
 
     def reset_parameters(self) -> None:
@@ -109,7 +108,7 @@ def _save_gate_up(module, state_dict, prefix, local_metadata) -> None:
     if key in state_dict:
         w = state_dict[key]
         replace_key(state_dict, prefix, "gate_up_weight",
-                    zip(("gate_proj.weight", "up_proj.weight"), exported(w, glu.split_gate_up(w))))
+                    zip(("gate_proj.weight", "up_proj.weight"), exported(w, ops.split_gate_up(w))))
 
 
 def _load_gate_up(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -121,4 +120,4 @@ def _load_gate_up(module, state_dict, prefix, local_metadata, strict, missing_ke
         error_msgs.append(f"{gate} {tuple(state_dict[gate].shape)} and {up} {tuple(state_dict[up].shape)} must have "
                           f"the same shape (F, D)")
         return
-    state_dict[prefix + "gate_up_weight"] = glu.interleave_gate_up(state_dict.pop(gate), state_dict.pop(up))
+    state_dict[prefix + "gate_up_weight"] = ops.interleave_gate_up(state_dict.pop(gate), state_dict.pop(up))

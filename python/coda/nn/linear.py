@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _activations, ops
+from .. import ops
 
 
 class Linear(nn.Linear):
@@ -18,7 +18,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  activation: Optional[str] = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        _activations.code(activation)  # reject unknown names at construction
+        ops.check_activation(activation, "nn.Linear")  # unknown names refused at construction
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

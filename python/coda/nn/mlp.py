@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _activations, ops
+from .. import ops
 
 
 class MLP(nn.Module):
@@ -22,7 +22,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True,
                  activation: Optional[str] = "gelu_tanh", device=None, dtype=None):
         super().__init__()
-        _activations.code(activation)
+        ops.check_activation(activation, "nn.MLP")
         self.activation = activation
         self.fc1 = nn.Linear(hidden_size, ffn_hidden_size, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias, device=device, dtype=dtype)

@@ -5,8 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _activations, ops
-from ..ops import _checks
+from .. import ops
 from ._fold import FoldedNorm
 
 
@@ -14,7 +13,7 @@ def make_norm(normalization: str, size: int, eps: Optional[float], device=None, 
     """nn.LayerNorm or nn.RMSNorm, so their state_dicts load as they are. eps
     None is each norm's own default (1e-5; nn.RMSNorm's None: the dtype's
     machine epsilon)."""
-    if _checks.layernorm(normalization, "nn"):
+    if ops.check_normalization(normalization, "nn"):
         return nn.LayerNorm(size, eps=1e-5 if eps is None else eps, device=device, dtype=dtype)
     return nn.RMSNorm(size, eps=eps, device=device, dtype=dtype)
 
@@ -37,7 +36,7 @@ class NormInFront(nn.Module):
     def __init__(self, size: int, eps: Optional[float], normalization: str, activation: Optional[str], device,
                  dtype):
         super().__init__()
-        _activations.code(activation)
+        ops.check_activation(activation, "nn")
         self.normalization = normalization
         self.activation = activation
         self.norm = make_norm(normalization, size, eps, device, dtype)

@@ -4,6 +4,7 @@ torch.compile(fullgraph=True) traces them), and a reference path of plain
 torch code for what has no kernel. Activations (..., features), weights in
 nn.Linear's (out, in) layout."""
 
+from ._checks import check_activation, check_normalization
 from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, interleave_gate_up,
                   interleaved_to_concatenated, norm_glu_mlp, norm_glu_mlp_reference, split_gate_up)
 from .linear import linear, linear_reference, mlp, mlp_reference
@@ -18,4 +19,5 @@ __all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "l
            "norm_mlp_reference", "normalize_reference", "glu_mlp", "norm_glu_mlp", "glu_mlp_reference",
            "norm_glu_mlp_reference", "interleave_gate_up", "split_gate_up", "concatenated_to_interleaved",
            "interleaved_to_concatenated", "rmsnorm_linear_rope", "rmsnorm_linear_rope_reference", "rope_frequencies",
-           "rope_permute_qk", "rope_unpermute_qk", "linear_cross_entropy", "linear_cross_entropy_reference"]
+           "rope_permute_qk", "rope_unpermute_qk", "linear_cross_entropy", "linear_cross_entropy_reference",
+           "check_activation", "check_normalization"]

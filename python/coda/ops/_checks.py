@@ -9,6 +9,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import _activations
+
+# The activations a GLU's gate takes (the kernels' SiLU and GELUs).
+GATE_ACTIVATIONS = ("silu", "swish", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_erf")
+
 
 def _shape(t: Tensor) -> tuple:
     return tuple(t.shape)
@@ -65,6 +70,32 @@ def matrix_like(name: str, t, shape: Sequence[int], op: str) -> None:
 
 
 NORMALIZATIONS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+
+
+def gate_code(activation: Optional[str], op: str) -> int:
+    """The kernel code of a GLU gate's activation name."""
+    key = activation.lower() if isinstance(activation, str) else activation
+    if key not in GATE_ACTIVATIONS:
+        raise ValueError(f"coda.{op}: activation must be one of {list(GATE_ACTIVATIONS)} (the gate's), "
+                         f"got {activation!r}")
+    return _activations.code(key)
+
+
+def check_activation(activation: Optional[str], op: str = "ops", gated: bool = False) -> None:
+    """Raises ValueError naming `op` unless coda's kernels take `activation` (None: identity), or with
+    `gated` the activation of a GLU's gate; for modules and patches to refuse a name when they are built."""
+    if gated:
+        gate_code(activation, op)
+        return
+    try:
+        _activations.code(activation)
+    except ValueError as e:
+        raise ValueError(f"coda.{op}: {str(e).removeprefix('coda: ')}") from None
+
+
+def check_normalization(normalization, op: str = "ops") -> bool:
+    """True for 'LayerNorm', False for 'RMSNorm' (any case); ValueError naming `op` otherwise."""
+    return layernorm(normalization, op)
 
 
 def layernorm(normalization, op: str) -> bool:

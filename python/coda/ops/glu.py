@@ -31,11 +31,7 @@ from .norm import _f32, _row_stats_reference, _stats_fake, _to_rows, _to_user, n
 __all__ = ["glu_mlp", "norm_glu_mlp", "glu_mlp_reference", "norm_glu_mlp_reference", "interleave_gate_up",
            "split_gate_up", "concatenated_to_interleaved", "interleaved_to_concatenated"]
 
-# The activations a gate takes: SwiGLU (LLaMA, Mistral, Qwen) and GeGLU (Gemma's tanh form, or erf).
-GATE_ACTIVATIONS = ("silu", "swish", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu", "gelu_erf")
-
-
-if _kernels.has_op("norm_glu_mlp"):  # an extension built before the op has none
+if _kernels.available():
     @torch.library.register_fake("coda::norm_glu_mlp")
     def _(x, norm_weight, w_gate_up, w_down, stats, residual, add_input, eps, activation, save, want_stats):
         m, f2 = math.prod(x.shape[:-1]), w_gate_up.shape[0]
@@ -86,19 +82,11 @@ def interleaved_to_concatenated(w: Tensor) -> Tensor:
 
 # ---- references
 
-def _gate_code(activation: Optional[str], op: str) -> int:
-    key = activation.lower() if isinstance(activation, str) else activation
-    if key not in GATE_ACTIVATIONS:
-        raise ValueError(f"coda.{op}: activation must be one of {list(GATE_ACTIVATIONS)} (the gate's), "
-                         f"got {activation!r}")
-    return _activations.code(key)
-
-
 def glu_mlp_reference(x: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str = "silu",
                       residual: Optional[Tensor] = None) -> Tensor:
     """down(act(x·gateᵀ) ⊙ x·upᵀ) (+ residual), unfused, as Hugging Face's LlamaMLP computes it."""
     w_gate, w_up = split_gate_up(w_gate_up)
-    a = _activations.apply(F.linear(x, w_gate), _gate_code(activation, "glu_mlp")) * F.linear(x, w_up)
+    a = _activations.apply(F.linear(x, w_gate), _checks.gate_code(activation, "glu_mlp")) * F.linear(x, w_up)
     y = F.linear(a, w_down)
     return y if residual is None else y + residual
 
@@ -139,9 +127,6 @@ def _use_kernel(op: str, x: Tensor, layernorm: bool, w_gate_up: Tensor, w_down: 
         return False
     if not _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], w_gate_up.shape[0] // 2, w_down.shape[0])):
         return False
-    if not _kernels.has_op("norm_glu_mlp"):
-        _kernels.fallback(op, "the loaded coda._C predates coda::norm_glu_mlp (rebuild the extension)")
-        return False
     return True
 
 
@@ -149,7 +134,7 @@ def _run(op: str, x: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[
          w_down: Tensor, layernorm: bool, eps: float, activation: str, residual: Optional[Tensor],
          stats: Optional[Tensor], return_stats: bool):
     """The common tail of glu_mlp and norm_glu_mlp (norm_weight None: no norm)."""
-    act = _gate_code(activation, op)
+    act = _checks.gate_code(activation, op)
     add_input = residual is x  # still x itself after autocast: the C++ autograd adds dy to dx once
     x, norm_weight, norm_bias, w_gate_up, w_down, residual = autocast(x, norm_weight, norm_bias, w_gate_up, w_down,
                                                                       residual)
@@ -183,7 +168,7 @@ def glu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, activation: str = "sil
     """
     op = "glu_mlp"
     _check_glu(op, x, w_gate_up, w_down, residual)
-    _gate_code(activation, op)
+    _checks.gate_code(activation, op)
     return _run(op, x, None, None, w_gate_up, w_down, False, 0.0, activation, residual, None, False)
 
 
@@ -213,7 +198,7 @@ def norm_glu_mlp(x: Tensor, norm_weight: Tensor, norm_bias: Optional[Tensor], w_
         raise ValueError(f"coda.{op}: norm_bias must be None for RMSNorm")
     _checks.vector("norm_bias", norm_bias, x.shape[-1], op, f" (the last dimension of x, {tuple(x.shape)})")
     _checks.stats(stats, x, op)
-    _gate_code(activation, op)
+    _checks.gate_code(activation, op)
     eps = _checks.eps_of(eps, layernorm, x, op)
     return _run(op, x, norm_weight, norm_bias, w_gate_up, w_down, layernorm, eps, activation, residual, stats,
                 bool(return_stats))

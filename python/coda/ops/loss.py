@@ -35,7 +35,7 @@ def _loss_and_lse(x, target, reduction):
     return loss, x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
-if _kernels.has_op("linear_cross_entropy_loss"):
+if _kernels.available():
 
     @torch.library.register_fake("coda::linear_cross_entropy")
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs):
@@ -160,9 +160,6 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
               z_loss=z_loss)
     # The vocabulary needs no multiple of 8 (the logits buffer's rows are padded); D does (the GEMMs' operands).
     use = _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1],))
-    if use and not _kernels.has_op("linear_cross_entropy_loss"):
-        _kernels.fallback(op, "the loaded coda._C predates coda::linear_cross_entropy (rebuild the extension)")
-        use = False
     if norm_weight is not None:
         x = F.rms_norm(x, (x.shape[-1],), norm_weight, norm_eps)
     if not use:

@@ -44,7 +44,7 @@ __all__ = ["rope_frequencies", "rope_permute_qk", "rope_unpermute_qk", "rmsnorm_
            "rmsnorm_linear_rope_reference"]
 
 
-if _kernels.has_op("rmsnorm_linear_rope"):  # an extension built before the op has none
+if _kernels.available():
     @torch.library.register_fake("coda::rmsnorm_linear_rope")
     def _(x, norm_weight, weight, bias, positions, freq, stats, eps):
         m, n = math.prod(x.shape[:-1]), weight.shape[0]
@@ -208,9 +208,6 @@ def rmsnorm_linear_rope(x: Tensor, norm_weight: Tensor, weight: Tensor, position
         if t is not None:
             _checks.like(name, t, x, op)
     use = _kernels.use_kernels(op, x, _kernels.BF16, (x.shape[-1], weight.shape[0]))
-    if use and not _kernels.has_op(op):
-        _kernels.fallback(op, "the loaded coda._C predates coda::rmsnorm_linear_rope (rebuild the extension)")
-        use = False
     if not use:
         return rmsnorm_linear_rope_reference(x, norm_weight, weight, positions, freq, bias, eps, stats)
     pos = positions.reshape(-1).to(torch.int32).contiguous()
