@@ -50,6 +50,14 @@ bool device_supported(int device) {
   return supported[device];
 }
 
+bool dgrad_prefers_vendor_gemm(int64_t m, int64_t n, int64_t k, int sms) {
+  return kernels::prefer_vendor_gemm(kernels::Program::kDActDBias, m, n, k, sms);
+}
+
+bool wgrad_prefers_vendor_gemm(int64_t m, int64_t n, int64_t k, int sms) {
+  return kernels::prefer_vendor_gemm(kernels::Program::kWgradStore, m, n, k, sms);
+}
+
 namespace {
 
 using kernels::Program;

@@ -52,9 +52,7 @@ __global__ void row_partials_stats_kernel(const float* __restrict__ sum, const f
 
 // The weight fold and the row statistics give each row one warp, 4 rows a
 // block: a whole row is in flight at once and its sums need no block
-// barrier. With one 256-thread block per row they moved 2.7 TB/s (fold) and
-// 2.0 TB/s (statistics) on the H200 (fd1b649 run), now 3.1 and 2.9 TB/s
-// (0.064 and 0.046 ms for 12288 x 4096 and 16384 x 4096, 870930a run). Small blocks because the
+// barrier (faster than a 256-thread block per row: benchmarks/NOTES.md). Small blocks because the
 // statistics hold a 4096-element row in up to 168 registers a lane (bf16):
 // 12 warps fit an SM, three 4-warp blocks, where 8-warp blocks would fit one.
 constexpr int kRowsPerBlock = 4;
@@ -187,8 +185,7 @@ __device__ Vec8<T> row_dots8(const Vec8<T>& g, const Vec8<T>& hv, const float (&
 }
 
 // Without the bias gradient: one block per row, which streams whole rows
-// (0.195 ms for 16384 x 12288 on the H200, against 0.227 for the tiled
-// kernel below).
+// (faster than the tiled kernel below when no column sums are needed).
 template <class T, epilogues::ActivationKind K>
 __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, const T* __restrict__ h, int64_t ldh,
                                      int64_t n, const float* __restrict__ shift, const float* __restrict__ col_sum,
@@ -219,9 +216,8 @@ __global__ void norm_row_dots_kernel(const T* __restrict__ dy, int64_t lddy, con
 // kDotsRows rows × kDotsCols columns, a warp every 8th row, a lane kDotsVecs
 // vectors of 8 columns 256 apart (512 contiguous bytes per warp access).
 // Row sums are warp shuffles into per-(chunk, row) partials, column sums a
-// pass over shared memory into per-(strip, column) partials. On the H200
-// (16384 x 12288): 0.240 ms with the merges, against 0.195 + 0.112 for the
-// per-row kernel and a separate sum.
+// pass over shared memory into per-(strip, column) partials: one pass, where
+// the per-row kernel and a separate column sum read dY twice.
 constexpr int kDotsVecs = 4;
 constexpr int kDotsCols = 32 * 8 * kDotsVecs;
 constexpr int kDotsRows = 64;

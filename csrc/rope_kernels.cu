@@ -21,7 +21,7 @@
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
-#include "rope.hpp"
+#include "rope_angle.hpp"
 
 namespace coda::kernels {
 namespace {
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) rope_backward_kernel(
 #pragma unroll
       for (int e = 0; e < V; e += 2) {
         float s, c;
-        epilogues::detail::rope_sincos(pos, fv[e], fv[e + 1], s, c);
+        epilogues::rope_sincos(pos, fv[e], fv[e + 1], s, c);
         const float d0 = to_float(g.v[e]), d1 = to_float(g.v[e + 1]);
         const float p0 = d0 * c + d1 * s, p1 = d1 * c - d0 * s;  // R(−φ)·dY
         out.v[e] = from_float<T>(p0);

@@ -11,22 +11,15 @@
 //          reduce_M(                           Sm90RowReduction -> per-tile partials (null: skipped)
 //            act_grad(acc, H[m, n])))          Sm90AuxLoad (null: 0)
 //
-// Tried twice and removed: fc1's forward keeping act'(H) instead of H, so
-// that this epilogue only multiplies (GELU' in the ping-pong forward, whose
-// epilogue overlaps the other warp group's MMAs). In the 2946200 run,
-// interleaved with cuBLAS, it saved fc2's dgrad 62 us (3.494 ms against
-// 3.556) and cost fc1's forward 76 us (3.420 against 3.344): at the power cap
-// GELU' costs about as much wherever it runs. The e0399d3 run computed act'
-// from the forward's own tanh (four FP32 ops more than GELU alone, in the
-// H store node) and kept it in fp16 (0.47x torch's error): the dgrad saved
-// 51 us (3.467 against 3.518), the forward lost 67 us (3.446 against 3.379).
-// Those four ops cost the forward more than GELU's own five and the tanh.
+// act'(H) is computed here from the saved H, not saved by the forward: at
+// the power cap GELU' costs about as much in fc1's forward as here, and the
+// forward then also stores it (benchmarks/NOTES.md, "fc1 saves act'(H)").
 //
 // Each output tile writes its column sums to a (ceil(M/TileM), N rounded up
 // to TileN) fp32 buffer; a small column-sum kernel finishes dbias. CUTLASS's
 // in-kernel final reduction (tile counters, a fence and two more barriers per
-// tile, the last CTA of each column summing serially) cost 14% on an H200 in
-// the cooperative kernel and 46% in the ping-pong one.
+// tile, the last CTA of each column summing serially) costs the GEMM far more,
+// most in the ping-pong kernel.
 //
 // CUTLASS's Sm90RowReduction is the one that reduces over M (one value per
 // column n); Sm90ColReduction reduces over N.

@@ -38,38 +38,9 @@
 
 #include "norm_ops.hpp"
 #include "primitives.hpp"
+#include "rope_angle.hpp"
 
 namespace coda::epilogues {
-
-namespace detail {
-
-// sin and cos of 2π·pos·(hi + lo), (hi, lo) the float-float turns per
-// position of one pair.
-//
-// Why turns: an angle in radians reaches 2π·2^24·τ, and reducing it mod 2π
-// in fp32 loses everything below its ulp (Hugging Face's fp32 pipeline is
-// off by ~6e-3 rad at position 128K). In turns the reduction is mod 1 and
-// exact: t = pos·hi rounded, its rounding error recovered exactly by an
-// fmaf (pos is an integer below 2^24, exact in fp32), pos·lo added to it;
-// t − round(t) is exact (Sterbenz: the integer is 0 or within 2x of t). The
-// reduced r in [−0.5, 0.5] turns keeps the MUFU __sincosf in [−π, π], where
-// its absolute error is ~2^-21.4; the angle before it is off by ~3e-7 rad
-// (benchmarks/design/llama/rope_angle_check.py, θ = 500000, positions ≤ 128K).
-//
-// round(t) is the 1.5·2^23 magic add (round to nearest for |t| < 2^22;
-// pos·hi < 2^24/2π): an FADD, where FRND shares its pipe with the MUFU.
-// The product is __fmul_rn so that the compiler cannot contract it into
-// the adds after it: fma(pos, hi, −q) would round the exact product and
-// count its error a second time through lo.
-CUTLASS_DEVICE void rope_sincos(float pos, float hi, float lo, float& s, float& c) {
-  const float t = __fmul_rn(pos, hi);                         // turns, rounded
-  const float err = fmaf(pos, lo, fmaf(pos, hi, -t));         // exact product error + the low part
-  const float q = __fsub_rn(__fadd_rn(t, 12582912.f), 12582912.f);  // nearest integer to t
-  const float r = __fadd_rn(__fsub_rn(t, q), err);            // the angle mod 1 turn, in [−0.5, 0.5]
-  __sincosf(6.28318530717958647692f * r, &s, &c);
-}
-
-}  // namespace detail
 
 // RoPE on a fragment whose elements (2i, 2i+1) are one row's adjacent
 // columns (2j, 2j+1): h the values, pos the row's position (per element),
@@ -84,7 +55,7 @@ struct RopePairs {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < L::N; i += 2) {
       float s, c;
-      detail::rope_sincos(L::get(pos, i), L::get(freq, i), L::get(freq, i + 1), s, c);
+      rope_sincos(L::get(pos, i), L::get(freq, i), L::get(freq, i + 1), s, c);
       const float x0 = L::get(h, i), x1 = L::get(h, i + 1);
       L::set(out, i, x0 * c - x1 * s);
       L::set(out, i + 1, x0 * s + x1 * c);

@@ -65,6 +65,20 @@ def launched_since(before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in launches().items() if v > before.get(k, 0)}
 
 
+def programs_since(before: dict) -> set:
+    """The programs ("linear_act", ...) of the kernels launched since `before`."""
+    return {key.split("/")[0] for key in launched_since(before)}
+
+
+def assert_ran(before: dict, programs, name: str = "") -> None:
+    """Each of `programs` (csrc/kernels/table.def's names) launched since `before`: the op ran its kernels,
+    not its reference path or cuBLAS alone."""
+    assert programs, f"{name}: name the programs that must run"
+    ran = programs_since(before)
+    missing = set(programs) - ran
+    assert not missing, f"{name}: {sorted(missing)} did not run (ran {sorted(ran)})"
+
+
 def check_op(op, args) -> None:
     """torch.library.opcheck, then the fake kernel's output shapes against the
     real outputs' (opcheck runs the fake kernel but does not compare shapes)."""

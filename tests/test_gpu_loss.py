@@ -1,4 +1,4 @@
-"""GPU tests of the LM head + cross-entropy (issue 25): the loss and every
+"""GPU tests of the LM head + cross-entropy: the loss and every
 gradient against float64, each within the error of the unfused torch bf16
 path (F.linear, then F.cross_entropy on the logits) on the same fresh random
 inputs, outputs poisoned first, in strict mode (a fallback raises); the

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import coda
 from coda import ops
-from helpers import check_op, launched_since, launches, poison_cuda_allocator, rel_err, within_torch_error
+from helpers import assert_ran, check_op, launches, poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import check_against_torch, leaves, rand, strict  # noqa: F401  (strict: autouse)
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +39,11 @@ def row_stats64(y, layernorm, eps=1e-5):
     return None, torch.rsqrt(y.square().mean(-1) + eps)
 
 
+# The programs each op launches (csrc/kernels/table.def): a norm-GEMM's backward runs the norm's
+# dgrad in the dX GEMM's epilogue; the norm-MLP's fc2 dgrad carries act' and the norm's row dots.
+NORM_LINEAR = ("norm_linear_act", "norm_dgrad")
+NORM_MLP = ("norm_linear_act", "linear_act", "dact_rowdot", "norm_dgrad")
+
 SHAPES = [(1000, 1032, 3000), (7, 256, 512), (1, 512, 1024), (4096, 1024, 3072), (129, 512, 384)]
 
 
@@ -62,7 +67,7 @@ def test_norm_linear(m, d, n, layernorm, activation, seed):
         return ops.norm_linear_reference(x, g, b, w, bias, kind, eps, activation)
 
     check_against_torch(f"norm_linear {kind} {activation} {m}x{d}x{n} seed={seed}", fused, unfused,
-                        [x, g, b, w, bias], dy, 8 * m * max(n, d) * 2)
+                        [x, g, b, w, bias], dy, 8 * m * max(n, d) * 2, programs=NORM_LINEAR)
 
 
 @pytest.mark.parametrize("layernorm", [True, False])
@@ -87,7 +92,7 @@ def test_norm_mlp(layernorm, activation, residual, seed):
         return ops.norm_mlp_reference(x, g, b, w1, b1, w2, b2, kind, 1e-5, activation, res(x, r))
 
     check_against_torch(f"norm_mlp {kind} {activation} residual={residual} seed={seed}", fused, unfused,
-                        [x, g, b, w1, b1, w2, b2, r], dy, 10 * m * f * 2)
+                        [x, g, b, w1, b1, w2, b2, r], dy, 10 * m * f * 2, programs=NORM_MLP)
 
 
 @pytest.mark.parametrize("m,k,n", [(1000, 1032, 3000), (7, 512, 1024), (4096, 4096, 4096)])
@@ -98,7 +103,8 @@ def test_linear_residual(m, k, n, normalization, seed):
     dy = rand(m, n, dtype=BF16)
     check_against_torch(f"linear_residual {normalization} seed={seed}",
                         lambda x, w, b, r: ops.linear_residual(x, w, b, r, normalization, eps=1e-5)[0],
-                        lambda x, w, b, r: F.linear(x, w, b) + r, [x, w, bias, r], dy, 6 * m * n * 2)
+                        lambda x, w, b, r: F.linear(x, w, b) + r, [x, w, bias, r], dy, 6 * m * n * 2,
+                        programs=("linear_residual_stats",))
     # The statistics: against float64 stats of the float64 output, each within
     # the error of torch's (fp32 stats of the bf16 output).
     layernorm = normalization == "LayerNorm"
@@ -144,7 +150,8 @@ def test_residual_reduce_feeds_the_norm_gemm(normalization, seed):
         return ops.norm_linear_reference(F.linear(a, w_o, b_o) + r, g, b, w, bias, normalization, 1e-5)
 
     check_against_torch(f"residual-reduce -> norm_linear {normalization} seed={seed}", fused, unfused,
-                        [a, w_o, b_o, r, g, b, w, bias], dy, 8 * m * n * 2)
+                        [a, w_o, b_o, r, g, b, w, bias], dy, 8 * m * n * 2,
+                        programs=("linear_residual_stats",) + NORM_LINEAR)
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -173,12 +180,13 @@ def test_norm_mlp_stats_feed_the_next_norm_gemm(normalization, seed):
         return ops.norm_linear_reference(h, g1, b1n, w, bias, normalization, 1e-5)
 
     check_against_torch(f"norm_mlp stats -> norm_linear {normalization} seed={seed}", fused, unfused,
-                        [x, g2, b2n, w1, b1, w2, b2, g1, b1n, w, bias], dy, 10 * m * f * 2)
+                        [x, g2, b2n, w1, b1, w2, b2, g1, b1n, w, bias], dy, 10 * m * f * 2,
+                        programs=("linear_residual_stats", "dact_rowdot") + NORM_LINEAR)
     poison_cuda_allocator(4 * m * f * 2)
     before = launches()
     with torch.no_grad():
         y, stats = ops.norm_mlp(x, g2, b2n, w1, b1, w2, b2, normalization, 1e-5, "gelu_tanh", x, return_stats=True)
-    assert any(k.startswith("linear_residual") for k in launched_since(before)), launched_since(before)
+    assert_ran(before, ("norm_linear_act", "linear_residual_stats"), "norm_mlp return_stats")
     mean_y, rstd_y = row_stats64(y, layernorm)  # the statistics of the y it returned, to fp32 rounding
     assert rel_err(stats[:, 1], rstd_y) < 1e-5
     if layernorm:
@@ -232,7 +240,7 @@ def test_dgamma_over_partial_tiles_with_poisoned_neighbours(m, seed):
                         lambda x, g, b, w, bias: ops.layernorm_linear(x, g, b, w, bias, activation="gelu_tanh"),
                         lambda x, g, b, w, bias: ops.norm_linear_reference(x, g, b, w, bias, "LayerNorm", 1e-5,
                                                                            "gelu_tanh"),
-                        [x, g, b, w, bias], dy, 8 * m * n * 2)
+                        [x, g, b, w, bias], dy, 8 * m * n * 2, programs=NORM_LINEAR)
 
 
 def test_row_dots_beyond_65535_strips(seed):
@@ -265,7 +273,7 @@ def test_norm_mlp_module_compiles_fullgraph_inductor(normalization, seed):
     before = launches()
     y = compiled(x, residual=x)
     y.float().square().mean().backward()
-    assert launched_since(before)
+    assert_ran(before, NORM_MLP, "compiled LayerNormMLP")
     g = x.grad.clone()
     x.grad = None
     y_eager = mlp(x, residual=x)

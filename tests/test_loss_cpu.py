@@ -1,4 +1,4 @@
-"""CPU tests of the LM head + cross-entropy (issue 25): the reference path
+"""CPU tests of the LM head + cross-entropy: the reference path
 against torch.nn.functional.cross_entropy's semantics (ignore_index, the
 three reductions, label smoothing, an all-ignored batch) and against the
 formulas for softcapping and z-loss; the argument errors; and the kernel

@@ -3,7 +3,6 @@
 #include <atomic>
 
 #include "autograd.h"
-#include "kernels.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
@@ -36,12 +35,11 @@ int sm_count(int device) {  // asked once per device
 }  // namespace
 
 // dx = (dy·w) ⊙ act'(h), and Σ_rows dx into `dbias` where it is defined: coda's
-// kernel, or cuBLAS's where there is no epilogue work (kernels::prefer_vendor_gemm).
+// kernel, or cuBLAS's where there is no epilogue work (coda::dgrad_prefers_vendor_gemm).
 Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activation act, const Tensor& dbias) {
   const int64_t m = dy.size(0), n = w.size(1);
   if (act == Activation::kIdentity && !dbias.defined() &&
-      kernels::prefer_vendor_gemm(kernels::Program::kDActDBias, m, n, dy.size(1),
-                                  sm_count(c10::cuda::current_device()))) {
+      coda::dgrad_prefers_vendor_gemm(m, n, dy.size(1), sm_count(c10::cuda::current_device()))) {
     return at::mm(dy, w);
   }
   Tensor dx = empty2(m, n, dy);
@@ -59,10 +57,10 @@ Tensor dgrad_of(const Tensor& dy, const Tensor& w, const OptTensor& h, Activatio
 }
 
 // dw = dyᵀ·x: coda's kernel, or cuBLAS where its tiles would leave most SMs
-// idle (kernels::prefer_vendor_gemm).
+// idle (coda::wgrad_prefers_vendor_gemm).
 Tensor wgrad_of(const Tensor& dy, const Tensor& x) {
   const int sms = sm_count(c10::cuda::current_device());
-  if (kernels::prefer_vendor_gemm(kernels::Program::kWgradStore, dy.size(1), x.size(1), dy.size(0), sms)) {
+  if (coda::wgrad_prefers_vendor_gemm(dy.size(1), x.size(1), dy.size(0), sms)) {
     return at::mm(dy.t(), x);
   }
   Tensor dw = empty2(dy.size(1), x.size(1), dy);

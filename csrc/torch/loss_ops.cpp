@@ -16,9 +16,8 @@
 // in the forward (recompute false, mean and sum only): per chunk of tokens
 // the kernel writes d loss / d logits over the logits and two GEMMs take it
 // to dX (the chunk's rows, complete) and dW (summed over the chunks in
-// float32: in W's dtype each chunk rounded it again, ≥ 4 chunks under the
-// memory bound, 1.2–1.4x the rounding error of torch's one GEMM in bf16 on
-// an H100 at ec3b77c); the backward scales them by the upstream gradient
+// float32: in W's dtype each of the ≥ 4 chunks under the memory bound would
+// round it again, where torch's one GEMM rounds once); the backward scales them by the upstream gradient
 // and rounds once. Three GEMMs, and a float32 dW held from the forward to
 // the backward.
 //
@@ -187,8 +186,8 @@ bool dx_in_float(const Tensor& x, const Tensor& w) {
 // In fp16 the forward's gradients of a mean come scaled by
 // 2^-⌊log2(count)/2⌋ ≈ 1/√count (from when dW summed in fp16, which would
 // overflow past 65504 unscaled), and p_j/√count keeps √count times more of
-// fp16's subnormal digits than p_j/count (≈ 1/(V·count)), which the
-// 2048-token test measured at 2x torch's dX error (0.21x now); at a million
+// fp16's subnormal digits than p_j/count (≈ 1/(V·count)), which loses dX's
+// small entries to the subnormals (twice torch's error); at a million
 // tokens and V ~ 50k it too rounds to 0. A power of two rounds nothing
 // else; the backward divides by the rest of the count.
 bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean && x.scalar_type() == at::kHalf; }

@@ -5,33 +5,31 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "coda/registry.h"
 #include "tensors.h"
 
 namespace {
 
-using coda::kernels::Config;
-using coda::kernels::Program;
+namespace reg = coda::registry;
 
 bool device_supported(int64_t device) { return coda::device_supported(static_cast<int>(device)); }
 
 // For tests and benchmarks: force a configuration, raster order or swizzle
 // (-1: the rule's), e.g. to run the GPU tests on every configuration the
-// rule can pick. Not part of the C++ API.
+// rule can pick.
 void set_kernel_override(int64_t config, int64_t raster, int64_t swizzle) {
-  coda::kernels::set_override(static_cast<int>(config), static_cast<int>(raster), static_cast<int>(swizzle));
+  reg::set_kernel_override(static_cast<int>(config), static_cast<int>(raster), static_cast<int>(swizzle));
 }
 
-// "program/config/dtype" of every kernel built.
+// "program/config/dtype/config index" of every kernel built.
 std::vector<std::string> kernels_built() {
   std::vector<std::string> out;
-  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
-    for (int c = 0; c < coda::kernels::kConfigCount; ++c) {
+  for (int p = 0; p < reg::program_count(); ++p) {
+    for (int c = 0; c < reg::config_count(); ++c) {
       for (coda::DType t : {coda::DType::kBFloat16, coda::DType::kFloat16}) {
-        if (!coda::kernels::is_built(Program(p), t, Config(c))) continue;
-        out.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" +
-                      coda::kernels::config_name(Config(c)) + "/" + (t == coda::DType::kBFloat16 ? "bf16" : "fp16") +
-                      "/" + std::to_string(c));
+        if (!reg::kernel_built(p, t, c)) continue;
+        out.push_back(std::string(reg::program_name(p)) + "/" + reg::config_name(c) + "/" +
+                      (t == coda::DType::kBFloat16 ? "bf16" : "fp16") + "/" + std::to_string(c));
       }
     }
   }
@@ -41,12 +39,7 @@ std::vector<std::string> kernels_built() {
 // "name/pass" of every program kernels/table.def declares, in its order.
 std::vector<std::string> programs() {
   std::vector<std::string> out;
-  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
-    const coda::kernels::Pass pass = coda::kernels::pass_of(Program(p));
-    out.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" +
-                  (pass == coda::kernels::Pass::kForward ? "forward"
-                                                          : pass == coda::kernels::Pass::kDgrad ? "dgrad" : "wgrad"));
-  }
+  for (int p = 0; p < reg::program_count(); ++p) out.push_back(std::string(reg::program_name(p)) + "/" + reg::program_pass(p));
   return out;
 }
 
@@ -54,10 +47,10 @@ std::vector<std::string> programs() {
 std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
   std::vector<std::string> keys;
   std::vector<int64_t> counts;
-  for (int p = 0; p < coda::kernels::kProgramCount; ++p) {
-    for (int c = 0; c < coda::kernels::kConfigCount; ++c) {
-      keys.push_back(std::string(coda::kernels::program_name(Program(p))) + "/" + coda::kernels::config_name(Config(c)));
-      counts.push_back(coda::kernels::launch_count(Program(p), Config(c)));
+  for (int p = 0; p < reg::program_count(); ++p) {
+    for (int c = 0; c < reg::config_count(); ++c) {
+      keys.push_back(std::string(reg::program_name(p)) + "/" + reg::config_name(c));
+      counts.push_back(reg::launch_count(p, c));
     }
   }
   return {keys, counts};
@@ -68,14 +61,12 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
 // (configuration, raster, swizzle, whether a plain GEMM of it goes to cuBLAS).
 std::tuple<std::string, int64_t, int64_t, bool> kernel_choice(const std::string& program, const std::string& dtype,
                                                               int64_t m, int64_t n, int64_t k, int64_t sms) {
-  int p = 0;
-  while (p < coda::kernels::kProgramCount && program != coda::kernels::program_name(Program(p))) ++p;
-  TORCH_CHECK(p < coda::kernels::kProgramCount, "_kernel_choice: unknown program '", program, "'");
+  const int p = reg::program_index(program.c_str());
+  TORCH_CHECK(p >= 0, "_kernel_choice: unknown program '", program, "'");
   TORCH_CHECK(dtype == "bf16" || dtype == "fp16", "_kernel_choice: dtype must be bf16 or fp16, got '", dtype, "'");
   const coda::DType t = dtype == "bf16" ? coda::DType::kBFloat16 : coda::DType::kFloat16;
-  const coda::kernels::Choice c = coda::kernels::choose(Program(p), t, m, n, k);
-  return {coda::kernels::config_name(c.config), c.raster, c.swizzle,
-          coda::kernels::prefer_vendor_gemm(Program(p), m, n, k, static_cast<int>(sms))};
+  const reg::KernelChoice c = reg::kernel_choice(p, t, m, n, k, static_cast<int>(sms));
+  return {reg::config_name(c.config), c.raster, c.swizzle, c.vendor_gemm};
 }
 
 }  // namespace

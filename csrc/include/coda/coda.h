@@ -361,4 +361,11 @@ size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& args);
 // True when the device can run coda's kernels (sm_90).
 bool device_supported(int device);
 
+// Whether the vendor library's plain GEMM (cuBLAS) is the better kernel on a
+// device of `sms` SMs for a dgrad with no epilogue work (Activation::kIdentity,
+// no dbias, no row dots) and for a wgrad, of these (m, n, k) as in DgradArgs
+// and WgradArgs: a caller holding cuBLAS asks before dgrad / wgrad.
+bool dgrad_prefers_vendor_gemm(int64_t m, int64_t n, int64_t k, int sms);
+bool wgrad_prefers_vendor_gemm(int64_t m, int64_t n, int64_t k, int sms);
+
 }  // namespace coda

@@ -25,7 +25,7 @@ keep no copy. state_dict() has Hugging Face's keys and layouts.
 from __future__ import annotations
 
 import types
-from typing import Dict, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,42 @@
+// What the library holds and what it would run, for tools and tests: the
+// epilogue programs and tile configurations it was built with (indices in
+// the order of csrc/kernels/table.def), the kernels built, each kernel's
+// launches so far, and the kernel choice for a GEMM shape. None of it is
+// needed to call the ops in coda.h.
+#pragma once
+
+#include <cstdint>
+
+#include "coda/coda.h"
+
+namespace coda::registry {
+
+int program_count();
+// The program's name ("linear_act", ...) and pass ("forward", "dgrad", "wgrad"); null past the count.
+const char* program_name(int program);
+const char* program_pass(int program);
+// The index of the program called `name`, or -1.
+int program_index(const char* name);
+
+int config_count();
+const char* config_name(int config);
+
+bool kernel_built(int program, DType dtype, int config);
+// Launches of (program, config) in this process.
+int64_t launch_count(int program, int config);
+
+// What the rule picks for one GEMM of `program`, without launching anything;
+// `vendor_gemm`: a plain GEMM of it (no epilogue work) goes to cuBLAS on a
+// device of `sms` SMs.
+struct KernelChoice {
+  int config = 0, raster = 0, swizzle = 1;
+  bool vendor_gemm = false;
+};
+KernelChoice kernel_choice(int program, DType dtype, int64_t m, int64_t n, int64_t k, int sms);
+
+// Every later choice takes this configuration (where built), raster order and
+// swizzle; -1 leaves one to the rule. For running tests and benchmarks on
+// each configuration the rule can pick.
+void set_kernel_override(int config, int raster, int swizzle);
+
+}  // namespace coda::registry
