@@ -14,8 +14,8 @@ loss ≤ 2.8e-3, weights ≤ 0.05), with 3-4x margin:
   - loss at every step: |patched − plain| ≤ 1e-2 · plain
   - final weights, each state_dict tensor: ‖patched − plain‖ / ‖plain − initial‖ ≤ 0.2, the
     difference relative to what training moved (GPT-2's key bias excepted: trained_part)
-and each family's coda programs ran (launch counters), none of the chain's ops fell back
-to its reference path (the loss's own fallbacks, if any, are reported, not failed).
+and each family's coda programs ran (launch counters) and no op fell back to its reference
+path, the LM head + loss included.
 
 Under autocast the patched model's residual stream is bf16 (coda's ops compute and
 return bf16), where Hugging Face's stays fp32: gradients whose sums cancel (LayerNorm
@@ -72,10 +72,8 @@ def check_ran(family, before, seen):
     ran = {key.split("/")[0] for key in launched_since(before)}
     want = PROGRAMS.get(family, PROGRAMS["llama"])
     assert want <= ran, f"{family}: {sorted(want - ran)} did not run (ran {sorted(ran)})"
-    chain = [(op, why) for op, why in seen if "cross_entropy" not in op]
-    assert not chain, f"{family}: ops fell back to their reference path: {chain}"
-    if seen:
-        print(f"{family}: the loss fell back: {seen}")
+    # every layer and the LM head + loss on the kernels: a fallback is a failure, not a note
+    assert not seen, f"{family}: ops fell back to their reference path: {seen}"
 
 
 @pytest.mark.parametrize("family,vocab", CASES)
