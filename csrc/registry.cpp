@@ -39,7 +39,9 @@ int config_count() { return kernels::kConfigCount; }
 
 const char* config_name(int c) { return config_ok(c) ? kernels::config_name(Config(c)) : nullptr; }
 
-bool kernel_built(int p, DType t, int c) { return program_ok(p) && config_ok(c) && kernels::is_built(Program(p), t, Config(c)); }
+bool kernel_built(int p, DType t, int c) {
+  return program_ok(p) && config_ok(c) && kernels::is_built(Program(p), t, Config(c));
+}
 
 int64_t launch_count(int p, int c) {
   return program_ok(p) && config_ok(c) ? kernels::launch_count(Program(p), Config(c)) : 0;

@@ -66,7 +66,8 @@ void matmul(at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float beta)
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2 && a.size(1) == b.size(0) && c.size(0) == a.size(0) &&
                   c.size(1) == b.size(1),
               "coda: blas::matmul: shapes ", a.sizes(), " x ", b.sizes(), " -> ", c.sizes());
-  TORCH_CHECK(a.scalar_type() == b.scalar_type() && (c.scalar_type() == a.scalar_type() || c.scalar_type() == at::kFloat),
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
+                  (c.scalar_type() == a.scalar_type() || c.scalar_type() == at::kFloat),
               "coda: blas::matmul: operands ", a.scalar_type(), ", ", b.scalar_type(), " into ", c.scalar_type());
   TORCH_CHECK(a.is_cuda() && b.is_cuda() && c.is_cuda(), "coda: blas::matmul takes CUDA tensors");
   TORCH_CHECK(c.stride(1) == 1 && c.stride(0) >= std::max<int64_t>(1, c.size(1)),

@@ -39,7 +39,9 @@ std::vector<std::string> kernels_built() {
 // "name/pass" of every program kernels/table.def declares, in its order.
 std::vector<std::string> programs() {
   std::vector<std::string> out;
-  for (int p = 0; p < reg::program_count(); ++p) out.push_back(std::string(reg::program_name(p)) + "/" + reg::program_pass(p));
+  for (int p = 0; p < reg::program_count(); ++p) {
+    out.push_back(std::string(reg::program_name(p)) + "/" + reg::program_pass(p));
+  }
   return out;
 }
 

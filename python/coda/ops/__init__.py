@@ -4,7 +4,8 @@ torch.compile(fullgraph=True) traces them), and a reference path of plain
 torch code for what has no kernel. Activations (..., features), weights in
 nn.Linear's (out, in) layout."""
 
-from ._checks import check_activation, check_normalization
+from ._checks import check_activation
+from ._checks import layernorm as check_normalization
 from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, interleave_gate_up,
                   interleaved_to_concatenated, norm_glu_mlp, norm_glu_mlp_reference, split_gate_up)
 from .linear import linear, linear_reference, mlp, mlp_reference

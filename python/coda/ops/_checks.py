@@ -93,13 +93,9 @@ def check_activation(activation: Optional[str], op: str = "ops", gated: bool = F
         raise ValueError(f"coda.{op}: {str(e).removeprefix('coda: ')}") from None
 
 
-def check_normalization(normalization, op: str = "ops") -> bool:
-    """True for 'LayerNorm', False for 'RMSNorm' (any case); ValueError naming `op` otherwise."""
-    return layernorm(normalization, op)
-
-
-def layernorm(normalization, op: str) -> bool:
-    """True for LayerNorm, False for RMSNorm."""
+def layernorm(normalization, op: str = "ops") -> bool:
+    """True for 'LayerNorm', False for 'RMSNorm' (any case); ValueError naming `op` otherwise
+    (public as coda.ops.check_normalization)."""
     key = normalization.lower() if isinstance(normalization, str) else normalization
     if key not in NORMALIZATIONS:
         raise ValueError(f"coda.{op}: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
