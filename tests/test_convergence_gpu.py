@@ -29,7 +29,7 @@ import torch
 
 import coda
 from coda import _kernels
-from helpers import launched_since, launches, rel_err
+from helpers import assert_ran, launches, rel_err
 from test_convergence_cpu import side_by_side, trained_part, weight_errors
 from test_hf_patch_cpu import build, hf_grads, linear_cross_entropy  # noqa: F401  (autouse: stand-in)
 
@@ -69,9 +69,7 @@ def fallbacks(monkeypatch):
 
 
 def check_ran(family, before, seen):
-    ran = {key.split("/")[0] for key in launched_since(before)}
-    want = PROGRAMS.get(family, PROGRAMS["llama"])
-    assert want <= ran, f"{family}: {sorted(want - ran)} did not run (ran {sorted(ran)})"
+    assert_ran(before, PROGRAMS.get(family, PROGRAMS["llama"]), family)
     # every layer and the LM head + loss on the kernels: a fallback is a failure, not a note
     assert not seen, f"{family}: ops fell back to their reference path: {seen}"
 

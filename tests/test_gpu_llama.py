@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import coda
 from coda import _activations, ops
-from helpers import check_op, launches, poison_cuda_allocator, programs_since, rel_err, within_torch_error
+from helpers import assert_ran, check_op, launches, poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import check_against_torch, leaves, rand, strict  # noqa: F401  (strict: autouse)
 from test_gpu_norm import norm_params, residual_stream, row_stats64
 
@@ -109,7 +109,7 @@ def test_glu_mlp_leading_dims_inference(seed):
     before = launches()
     with torch.no_grad():
         y = ops.norm_glu_mlp(x, g, None, w_gu, w_down, "RMSNorm", EPS, residual=x)
-    assert "norm_glu_linear" in programs_since(before)
+    assert_ran(before, ("norm_glu_linear",), "norm_glu_mlp inference")
     assert y.shape == (4, 250, 1024)
     y64 = ops.norm_glu_mlp_reference(x.double(), g.double(), None, w_gu.double(), w_down.double(), "RMSNorm", EPS,
                                      residual=x.double())
@@ -131,7 +131,7 @@ def test_norm_glu_mlp_return_stats(residual, seed):
     before = launches()
     with torch.no_grad():
         y, stats = ops.norm_glu_mlp(x, g, None, w_gu, w_down, "RMSNorm", EPS, residual=r, return_stats=True)
-    assert {"norm_glu_linear", "linear_residual_stats"} <= programs_since(before)
+    assert_ran(before, ("norm_glu_linear", "linear_residual_stats"), "norm_glu_mlp return_stats")
     assert stats.shape == (m, 2) and stats.dtype == torch.float32
     y64 = ops.norm_glu_mlp_reference(x.double(), g.double(), None, w_gu.double(), w_down.double(), "RMSNorm", EPS,
                                      residual=r.double())
@@ -356,8 +356,7 @@ def test_llama_block_compiles_fullgraph_inductor(seed):
     before = launches()
     qkv, z, st = compiled(*xs)
     (qkv.float().square().mean() + z.float().square().mean()).backward()
-    ran = programs_since(before)
-    assert set(GLU + ROPE + ("linear_residual_stats",)) <= ran, ran
+    assert_ran(before, GLU + ROPE + ("linear_residual_stats",), "compiled llama block")
     assert qkv.shape == (2, 512, n) and z.shape == (2, 512, d) and st.shape == (2, 512, 2)
     grads = [t.grad.clone() for t in xs[:2]]
     es = leaves(*inputs)
@@ -376,7 +375,7 @@ def test_swiglu_module_compiles_fullgraph_inductor(seed):
     before = launches()
     y = compiled(x, residual=x)
     y.float().square().mean().backward()
-    assert set(GLU) <= programs_since(before)
+    assert_ran(before, GLU, "compiled SwiGLUMLP")
     g = x.grad.clone()
     x.grad = None
     y_eager = mlp(x, residual=x)

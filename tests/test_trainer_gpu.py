@@ -6,7 +6,7 @@ test_convergence_gpu's tolerance), and the chain's programs ran."""
 import pytest
 import torch
 
-from helpers import launched_since, launches
+from helpers import assert_ran, launches
 from test_convergence_gpu import LOSS_TOL, PROGRAMS
 from test_trainer_cpu import example
 
@@ -27,8 +27,7 @@ def test_trainer_on_packed_data_gpu(tmp_path):
     patched = coda.patch(copy.deepcopy(model))
     before = launches()
     got = example.finetune(patched, docs, 40, bf16=True, output_dir=str(tmp_path / "coda"))
-    ran = {key.split("/")[0] for key in launched_since(before)}
-    assert PROGRAMS["llama"] <= ran, f"{sorted(PROGRAMS['llama'] - ran)} did not run"
+    assert_ran(before, PROGRAMS["llama"], "Trainer")
     want = example.finetune(model, docs, 40, bf16=True, output_dir=str(tmp_path / "hf"))
     assert want[-1] < want[0] - 1.0, want
     for step, (a, b) in enumerate(zip(got, want)):
