@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "launch_log.h"
 
 namespace coda::registry {
 
@@ -12,6 +13,20 @@ using kernels::Config;
 using kernels::Program;
 bool program_ok(int p) { return p >= 0 && p < kernels::kProgramCount; }
 bool config_ok(int c) { return c >= 0 && c < kernels::kConfigCount; }
+
+constexpr bool RowMajor = true, ColumnMajor = false;
+struct Layouts {
+  bool a_row_major, b_row_major;
+};
+constexpr Layouts layouts_of(Program p) {
+  switch (p) {
+#define CODA_PROGRAM(E, name, pass, arguments, a_layout, b_layout, ...) \
+  case Program::E:                                                      \
+    return {a_layout, b_layout};
+#include "kernels/table.def"
+  }
+  return {RowMajor, RowMajor};
+}
 }  // namespace
 
 int program_count() { return kernels::kProgramCount; }
@@ -51,6 +66,18 @@ KernelChoice kernel_choice(int p, DType t, int64_t m, int64_t n, int64_t k, int 
   if (!program_ok(p)) return {};
   const kernels::Choice c = kernels::choose(Program(p), t, m, n, k);
   return {static_cast<int>(c.config), c.raster, c.swizzle, kernels::prefer_vendor_gemm(Program(p), m, n, k, sms)};
+}
+
+void record_launches(bool on) { kernels::set_launch_log(on); }
+
+std::vector<Launch> take_launches() {
+  std::vector<Launch> out;
+  for (const kernels::LaunchRecord& r : kernels::take_launch_log()) {
+    const Layouts l = layouts_of(r.program);
+    out.push_back({static_cast<int>(r.program), static_cast<int>(r.config), r.dtype, r.m, r.n, r.k, r.a, r.lda,
+                   l.a_row_major, r.b, r.ldb, l.b_row_major, r.raster, r.swizzle});
+  }
+  return out;
 }
 
 void set_kernel_override(int config, int raster, int swizzle) { kernels::set_override(config, raster, swizzle); }

@@ -58,6 +58,28 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
   return {keys, counts};
 }
 
+// For the kernel benchmark: record every GEMM launch from now on (or stop and
+// drop the records).
+void record_launches(bool on) { reg::record_launches(on); }
+
+// The launches recorded since the last call, as "program/config/dtype/a_layout/b_layout"
+// (layouts "row" or "col") and 9 integers each: m, n, k, A's address, lda, B's
+// address, ldb, raster, swizzle.
+std::tuple<std::vector<std::string>, std::vector<int64_t>> take_launches() {
+  std::vector<std::string> keys;
+  std::vector<int64_t> ints;
+  for (const reg::Launch& l : reg::take_launches()) {
+    keys.push_back(std::string(reg::program_name(l.program)) + "/" + reg::config_name(l.config) + "/" +
+                   (l.dtype == coda::DType::kBFloat16 ? "bf16" : "fp16") + "/" + (l.a_row_major ? "row" : "col") +
+                   "/" + (l.b_row_major ? "row" : "col"));
+    for (int64_t v : {l.m, l.n, l.k, reinterpret_cast<int64_t>(l.a), l.lda, reinterpret_cast<int64_t>(l.b), l.ldb,
+                      static_cast<int64_t>(l.raster), static_cast<int64_t>(l.swizzle)}) {
+      ints.push_back(v);
+    }
+  }
+  return {keys, ints};
+}
+
 // What the rule picks for one GEMM of a program ("linear_act", ...) in a dtype
 // ("bf16", "fp16") on a device of `sms` SMs, without launching anything:
 // (configuration, raster, swizzle, whether a plain GEMM of it goes to cuBLAS).
@@ -79,6 +101,8 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("_kernels_built() -> str[]", &kernels_built);
   m.def("_programs() -> str[]", &programs);
   m.def("_launch_counts() -> (str[], int[])", &launch_counts);
+  m.def("_record_launches(bool on) -> ()", &record_launches);
+  m.def("_take_launches() -> (str[], int[])", &take_launches);
   m.def("_kernel_choice(str program, str dtype, int m, int n, int k, int sms) -> (str, int, int, bool)",
         &kernel_choice);
 }

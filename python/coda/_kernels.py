@@ -157,3 +157,24 @@ def launch_counts() -> Dict[str, int]:
     """Kernel launches so far, keyed "program/config_name"."""
     keys, counts = torch.ops.coda._launch_counts()
     return dict(zip(keys, counts))
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Records every GEMM launch inside the block: yields a list that fills, on the block's exit,
+    with one dict per launch, oldest first: {"program", "config", "dtype", "m", "n", "k",
+    "a", "lda", "a_layout", "b", "ldb", "b_layout", "raster", "swizzle"}, A (m x k) and
+    B (k x n) as the kernel read them: their addresses, leading dimensions and layouts
+    ("row" or "col"). D = epilogue(A·B) is (m x n)."""
+    records: list = []
+    torch.ops.coda._record_launches(True)
+    try:
+        yield records
+    finally:
+        keys, ints = torch.ops.coda._take_launches()
+        torch.ops.coda._record_launches(False)
+        for i, key in enumerate(keys):
+            program, config, dtype, a_layout, b_layout = key.split("/")
+            m, n, k, a, lda, b, ldb, raster, swizzle = ints[9 * i:9 * i + 9]
+            records.append(dict(program=program, config=config, dtype=dtype, m=m, n=n, k=k, a=a, lda=lda,
+                                a_layout=a_layout, b=b, ldb=ldb, b_layout=b_layout, raster=raster, swizzle=swizzle))

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "coda/coda.h"
 
@@ -33,6 +34,28 @@ struct KernelChoice {
   bool vendor_gemm = false;
 };
 KernelChoice kernel_choice(int program, DType dtype, int64_t m, int64_t n, int64_t k, int sms);
+
+// One GEMM launched: D = epilogue(A·B), A m x k and B k x n in the program's
+// operand layouts, with their leading dimensions (in elements), and the tile
+// configuration, raster order and swizzle it ran with.
+struct Launch {
+  int program = 0, config = 0;
+  DType dtype = DType::kBFloat16;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  bool a_row_major = true;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool b_row_major = true;
+  int raster = 0, swizzle = 1;
+};
+// From record_launches(true) on, every GEMM launch is recorded (in this
+// process, from any thread) until record_launches(false), which also drops
+// what was not taken; take_launches() returns the records so far, oldest
+// first, and starts a new list. For benchmarks: off, a launch pays one load.
+void record_launches(bool on);
+std::vector<Launch> take_launches();
 
 // Every later choice takes this configuration (where built), raster order and
 // swizzle; -1 leaves one to the rule. For running tests and benchmarks on

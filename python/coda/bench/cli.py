@@ -31,6 +31,10 @@ LLaMA-3-8B's dims x 16,384 tokens and LLaMA-3.2-1B's x 8192 (`--tokens`,
 `--only lm_head` runs the LM head + cross-entropy, forward + backward, at 8192
 tokens x d 2048 and 16384 x 4096, vocabulary 128,256 (lm_head.py), with time and
 peak memory per impl, into <date>-<device>-lm_head-<commit>.json when it runs alone.
+`--only fused_gemm` times every fused GEMM of a patched LLaMA-3.2-1B (8192 tokens),
+LLaMA-3-8B (16,384) and GPT-2-medium (8192) layer's forward + backward, kernel by
+kernel, against cuBLAS's plain GEMM of the same operands (fused_gemm.py), into
+<date>-<device>-fused_gemm-<commit>.json when it runs alone.
 `--sweep-shapes` runs the GPT-style block (never llama) at every point of
 tokens 2048, 8192, 16384 x d 1024, 2048, 4096 (`--tokens` and `--dims`
 narrow it), into <date>-<device>-shapes-<commit>.json. `--only`, `--sweep-shapes`
@@ -56,10 +60,13 @@ import torch
 import coda
 from coda import _kernels
 
-from . import blocks, llama, lm_head, mlp, norm, results, table, train
+from . import blocks, fused_gemm, llama, lm_head, mlp, norm, results, table, train
 from .timing import Runner, timer
 
-SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run, "llama": llama.run, "lm_head": lm_head.run}
+SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run, "llama": llama.run, "lm_head": lm_head.run,
+            "fused_gemm": fused_gemm.run}
+# sections whose points are their own (tokens with a width or a model), not tokens x --dims
+OWN_POINTS = ("llama", "lm_head", "fused_gemm")
 SWEEP_TOKENS, SWEEP_DIMS = [2048, 8192, 16384], [1024, 2048, 4096]
 
 
@@ -130,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-plot", action="store_true", help="no .png beside the results file")
     k = p.add_argument_group("the kernel-level benchmarks (--kernels; each flag below implies it)")
     k.add_argument("--kernels", action="store_true", help="run the kernel-level benchmarks instead")
-    k.add_argument("--only", type=_sections, metavar="block|mlp|norm|llama|lm_head",
+    k.add_argument("--only", type=_sections, metavar="block|mlp|norm|llama|lm_head|fused_gemm",
                    help="the cases to run, comma-separated (default: block)")
     k.add_argument("--tokens", type=_ints, help="comma-separated rows of every activation, one case each "
                                                 "(default: 8192 on the GPU, 256 on the CPU; llama: 16384 at "
@@ -220,13 +227,13 @@ def training(args: argparse.Namespace) -> int:
 
 
 def kernels(args: argparse.Namespace) -> int:
-    """The kernel-level benchmarks: the block, mlp, norm and llama sections, as before the training comparison."""
+    """The kernel-level benchmarks: the block, mlp, norm, llama, lm_head and fused_gemm sections."""
     gpu, why_not = gpu_here()
     if gpu:
         device, dtype = "cuda", getattr(torch, args.dtype)
         tokens = args.tokens or (SWEEP_TOKENS if args.sweep_shapes else [8192])
         dims = args.dims or (SWEEP_DIMS if args.sweep_shapes else [1024, 2048, 4096])
-        at = "" if args.only in (["llama"], ["lm_head"]) else \
+        at = "" if len(args.only) == 1 and args.only[0] in OWN_POINTS else \
             f"tokens={','.join(map(str, tokens))} d={','.join(map(str, dims))} "
         print(f"coda.bench on {torch.cuda.get_device_name()}: {','.join(args.only)}, {at}{args.dtype}", flush=True)
     else:
@@ -244,13 +251,17 @@ def kernels(args: argparse.Namespace) -> int:
         print("coda.bench: llama at " + ", ".join(f"{t} tokens x d {d}" for t, d in llama_points), flush=True)
 
     head_points = lm_head.points(args.tokens, args.dims, gpu) if "lm_head" in args.only else []
+    gemm_points = fused_gemm.points(args.tokens, gpu) if "fused_gemm" in args.only else []
 
     r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.host_reps)
     kind = ("shapes" + (f"-t{'-'.join(map(str, tokens))}" if args.tokens else "")) if args.sweep_shapes else ""
-    if args.only in (["llama"], ["lm_head"]):
+    alone = len(args.only) == 1 and args.only[0] in OWN_POINTS
+    if alone:
         kind = args.only[0]
     path = results.results_path(args.out, kind) if args.out else None
-    shape = {"tokens": tokens, "dims": dims, "ffn": "4d"} if args.only not in (["llama"], ["lm_head"]) else {}
+    shape = {} if alone else {"tokens": tokens, "dims": dims, "ffn": "4d"}
+    if gemm_points:
+        shape["fused_gemm"] = [{"tokens": t, "model": m, "seq": min(fused_gemm.SEQ, t)} for t, m in gemm_points]
     if head_points:
         shape["lm_head"] = [{"tokens": t, "d": d, "vocab": lm_head.VOCAB if gpu else 1000} for t, d in head_points]
     if llama_points:
@@ -266,7 +277,7 @@ def kernels(args: argparse.Namespace) -> int:
 
     r.after_case = save
     for name in args.only:
-        pairs = {"llama": llama_points, "lm_head": head_points}.get(name)
+        pairs = {"llama": llama_points, "lm_head": head_points, "fused_gemm": gemm_points}.get(name)
         for t, ds in ([(t, [d]) for t, d in pairs] if pairs is not None else [(t, dims) for t in tokens]):
             SECTIONS[name](r, t, ds, dtype, device)
     table.print_table(r.results)
