@@ -547,6 +547,48 @@ Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream
   return kernels::rope_backward(dtype, a, stream);
 }
 
+namespace {
+Status check_heads(const char* op, int64_t m, int64_t heads, int64_t head_dim) {
+  if (m < 0 || heads <= 0 || (head_dim != 64 && head_dim != 128 && head_dim != 256)) {
+    return detail::fail(Status::kInvalidArgument, std::string(op) + ": m must be >= 0, heads positive and head_dim "
+                                                  "64, 128 or 256, got m " + std::to_string(m) + ", heads " +
+                                                  std::to_string(heads) + ", head_dim " + std::to_string(head_dim));
+  }
+  return Status::kSuccess;
+}
+}  // namespace
+
+Status head_norm_rope(DType dtype, const HeadNormRopeArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_heads("head_norm_rope", a.m, a.heads, a.head_dim));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.heads * a.head_dim, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.heads * a.head_dim, true));
+  CODA_RETURN_IF_ERROR(check_vector("weight", a.weight, true));
+  CODA_RETURN_IF_ERROR(check_vector("positions", a.positions, true));
+  CODA_RETURN_IF_ERROR(check_vector("inv_freq", a.inv_freq, true));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::head_norm_rope(dtype, a, stream);
+}
+
+Status head_norm_rope_backward(DType dtype, const HeadNormRopeBackwardArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_heads("head_norm_rope_backward", a.m, a.heads, a.head_dim));
+  const int64_t n = a.heads * a.head_dim;
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, n, true));
+  CODA_RETURN_IF_ERROR(check_vector("weight", a.weight, true));
+  CODA_RETURN_IF_ERROR(check_vector("positions", a.positions, true));
+  CODA_RETURN_IF_ERROR(check_vector("inv_freq", a.inv_freq, true));
+  CODA_RETURN_IF_ERROR(check_vector("dweight_partials", a.dweight_partials, false));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::head_norm_rope_backward(dtype, a, stream);
+}
+
+int64_t head_norm_rope_partials(int64_t m, int64_t heads) { return kernels::head_norm_rope_partials(m, heads); }
+
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype(dtype));
   if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "cross_entropy: m must be >= 0 and n positive");

@@ -273,6 +273,11 @@ size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
 
 // The body of the public coda::rope_backward (csrc/rope_kernels.cu).
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream);
+// The bodies of the public coda::head_norm_rope, head_norm_rope_backward and
+// head_norm_rope_partials (csrc/rope_kernels.cu).
+Status head_norm_rope(DType dtype, const HeadNormRopeArgs& a, cudaStream_t stream);
+Status head_norm_rope_backward(DType dtype, const HeadNormRopeBackwardArgs& a, cudaStream_t stream);
+int64_t head_norm_rope_partials(int64_t m, int64_t heads);
 
 // The body of the public coda::cross_entropy (csrc/cross_entropy_kernels.cu).
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream);

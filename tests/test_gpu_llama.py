@@ -442,3 +442,53 @@ def test_llama_ops_take_no_fills_in_backward():
         fills = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                  and "FillFunctor" in e.name]
         assert not fills, f"{name}: {fills}"
+
+
+# ---- Qwen3's / Gemma 3's per-head RMSNorm + RoPE (head_norm_rope): q and k as the QKV output holds them
+
+def head_inputs(m, heads, kv_heads, head_dim, dtype=BF16, theta=1e6):
+    """q, a strided view of a (m, (heads + 2 kv_heads)·head_dim) QKV output, its norm weight in pair
+    order, positions and inv_freq."""
+    y = rand(m, qkv_size(head_dim, heads, kv_heads), dtype=dtype)
+    q = y[:, :heads * head_dim].unflatten(-1, (heads, head_dim))
+    weight = (1 + 0.2 * torch.randn(head_dim, device="cuda")).to(dtype)
+    half = head_dim // 2
+    inv_freq = (theta ** (-torch.arange(half, dtype=torch.float64) / half)).to("cuda", torch.float32)
+    return q, weight, inv_freq
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(128, 16, 8), (64, 32, 8), (256, 4, 1)])
+@pytest.mark.parametrize("pos_kind", ["sequences", "long"])
+def test_head_norm_rope(head_dim, heads, kv_heads, pos_kind, seed):
+    m, eps = 1000, 1e-6
+    q, weight, inv_freq = head_inputs(m, heads, kv_heads, head_dim)
+    pos = positions_of(pos_kind, m)
+    dy = rand(m, heads, head_dim, dtype=BF16)
+    check(f"head_norm_rope hd={head_dim} heads={heads} {pos_kind} seed={seed}",
+          lambda q, w: ops.head_norm_rope(q, w, pos, inv_freq, eps),
+          lambda q, w: ops.head_norm_rope_reference(q, w, pos, inv_freq, eps),
+          [q, weight], dy, 4 * m * heads * head_dim * 2, ())
+
+
+def test_head_norm_rope_fp16_leading_dims_and_op(seed):
+    b, s, heads, head_dim, eps = 2, 300, 8, 128, 1e-6
+    q, weight, inv_freq = head_inputs(b * s, heads, 2, head_dim, dtype=torch.float16)
+    q = q.unflatten(0, (b, s))
+    pos = torch.arange(s, device="cuda").expand(b, s)  # int64, HF's position_ids
+    dy = rand(b, s, heads, head_dim, dtype=torch.float16)
+    check(f"head_norm_rope fp16 seed={seed}", lambda q, w: ops.head_norm_rope(q, w, pos, inv_freq, eps),
+          lambda q, w: ops.head_norm_rope_reference(q, w, pos, inv_freq, eps), [q, weight], dy,
+          4 * b * s * heads * head_dim * 2, ())
+    check_op(torch.ops.coda.head_norm_rope.default, (q.detach().requires_grad_(True), weight, pos, inv_freq, eps))
+
+
+def test_head_norm_rope_falls_back_visibly_for_other_head_dims():
+    q, weight, inv_freq = head_inputs(64, 4, 1, 96)  # Phi-3's head_dim has no kernel here
+    pos = torch.arange(64, device="cuda")
+    coda.set_strict(False)
+    try:
+        with pytest.warns(coda.FallbackWarning, match="head_dim 96"):
+            out = ops.head_norm_rope(q, weight, pos, inv_freq, 1e-6)
+    finally:
+        coda.set_strict(True)
+    assert torch.equal(out, ops.head_norm_rope_reference(q, weight, pos, inv_freq, 1e-6))

@@ -128,7 +128,113 @@ std::tuple<Tensor, Tensor, Tensor> rmsnorm_linear_rope_autograd(const Tensor& x,
   return {o[0], o[1], o[2]};
 }
 
+// ---- Qwen3's / Gemma 3's per-head RMSNorm + RoPE: x (..., heads, head_dim), weight (head_dim) in pair order
+
+// (rows of heads · head_dim with adjacent heads, the rows' stride) of x, a copy where its strides do not allow it.
+Tensor heads_rows(const Tensor& x) {
+  expect(x.dim() >= 2, "head_norm_rope: x must be (..., heads, head_dim)");
+  const int64_t heads = x.size(-2), hd = x.size(-1);
+  Tensor t = x.reshape({-1, heads, hd});
+  if (t.stride(2) != 1 || t.stride(1) != hd || t.stride(0) % 8 != 0 || !aligned16(t)) t = t.contiguous();
+  return t;
+}
+
+Tensor head_positions(const Tensor& positions, const Tensor& x) {
+  const auto lead = x.sizes().slice(0, x.dim() - 2);
+  return vec(positions.expand(lead).reshape({-1}).to(at::kInt));
+}
+
+Tensor head_norm_rope(const Tensor& x_, const Tensor& weight, const Tensor& positions, const Tensor& inv_freq,
+                      double eps) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  Tensor x = heads_rows(x_);
+  const int64_t m = x.size(0), heads = x.size(1), hd = x.size(2);
+  expect(weight.numel() == hd && inv_freq.numel() * 2 == hd && inv_freq.scalar_type() == at::kFloat,
+         "head_norm_rope: weight must be (head_dim,) and inv_freq float32 (head_dim / 2,)");
+  Tensor w = vec(weight.to(x.scalar_type())), f = vec(inv_freq), pos = head_positions(positions, x_);
+  Tensor y = at::empty(x.sizes(), x.options());
+  HeadNormRopeArgs a;
+  a.m = m; a.heads = heads; a.head_dim = hd;
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr();
+  a.positions = pos.data_ptr<int32_t>();
+  a.inv_freq = f.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.y = y.data_ptr(); a.ldy = y.stride(0);
+  check(coda::head_norm_rope(dtype_of(x), a, stream()), "head_norm_rope");
+  return y.view(x_.sizes());
+}
+
+// needs: (dx, dweight)
+std::tuple<Tensor, Tensor> head_norm_rope_backward(const Tensor& dy_, const Tensor& x_, const Tensor& weight,
+                                                   const Tensor& positions, const Tensor& inv_freq, double eps,
+                                                   std::array<bool, 2> needs) {
+  c10::cuda::CUDAGuard guard(dy_.device());
+  Tensor x = heads_rows(x_), dy = heads_rows(dy_);
+  const int64_t m = x.size(0), heads = x.size(1), hd = x.size(2);
+  Tensor w = vec(weight.to(x.scalar_type())), f = vec(inv_freq), pos = head_positions(positions, x_);
+  Tensor dx = at::empty(x.sizes(), x.options());
+  Tensor partials = needs[1] ? f32({coda::head_norm_rope_partials(m, heads), hd}, x) : none_f32(x);
+  HeadNormRopeBackwardArgs a;
+  a.m = m; a.heads = heads; a.head_dim = hd;
+  a.dy = dy.data_ptr(); a.lddy = dy.stride(0);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr();
+  a.positions = pos.data_ptr<int32_t>();
+  a.inv_freq = f.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
+  a.dweight_partials = needs[1] && partials.numel() ? partials.data_ptr<float>() : nullptr;
+  check(coda::head_norm_rope_backward(dtype_of(x), a, stream()), "head_norm_rope_backward");
+  Tensor dw = needs[1] ? (partials.numel() ? partials.sum(0) : at::zeros({hd}, partials.options())).to(weight.scalar_type())
+                       : none(dy);
+  return {needs[0] ? dx.view(x_.sizes()) : none(dy), dw};
+}
+
+CODA_OP_HANDLE(head_norm_rope)
+CODA_OP_HANDLE(head_norm_rope_backward)
+
+// Saves x, weight, positions, inv_freq; positions and inv_freq take no gradient.
+struct HeadNormRopeFn : torch::autograd::Function<HeadNormRopeFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& positions,
+                               const Tensor& inv_freq, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    Tensor y = head_norm_rope_op().call(x, weight, positions, inv_freq, eps);
+    ctx->save_for_backward({x, weight, positions, inv_freq});
+    ctx->saved_data["eps"] = eps;
+    ctx->set_materialize_grads(false);
+    return {y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(5);
+    at::AutoDispatchBelowADInplaceOrView below;
+    const std::array<bool, 2> needs{ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
+    auto v = ctx->get_saved_variables();
+    auto [dx, dw] = head_norm_rope_backward_op().call(dy, v[0], v[1], v[2], v[3], ctx->saved_data["eps"].toDouble(),
+                                                      needs);
+    return first_order("head_norm_rope", {needs[0] ? dx : Tensor(), needs[1] ? dw : Tensor(), Tensor(), Tensor(),
+                                          Tensor()});
+  }
+};
+
+Tensor head_norm_rope_autograd(const Tensor& x, const Tensor& weight, const Tensor& positions,
+                               const Tensor& inv_freq, double eps) {
+  if (!any_requires_grad({&x, &weight})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return head_norm_rope_op().call(x, weight, positions, inv_freq, eps);
+  }
+  return HeadNormRopeFn::apply(x, weight, positions, inv_freq, eps)[0];
+}
+
 }  // namespace
+
+CODA_TORCH_OP(head_norm_rope,
+              "head_norm_rope(Tensor x, Tensor weight, Tensor positions, Tensor inv_freq, float eps) -> Tensor")
+CODA_TORCH_OP(head_norm_rope_backward,
+              "head_norm_rope_backward(Tensor dy, Tensor x, Tensor weight, Tensor positions, Tensor inv_freq,"
+              " float eps, bool[2] needs) -> (Tensor, Tensor)")
+CODA_AUTOGRAD(head_norm_rope, head_norm_rope_autograd)
 
 CODA_TORCH_OP(rmsnorm_linear_rope,
               "rmsnorm_linear_rope(Tensor x, Tensor norm_weight, Tensor weight, Tensor? bias, Tensor positions,"

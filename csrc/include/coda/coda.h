@@ -284,6 +284,42 @@ struct RopeBackwardArgs {
   float* c1 = nullptr;               // (m) out, or null
 };
 
+// Qwen3's and Gemma 3's q / k path after the projection, per token m and head h
+// of rows holding `heads` heads of head_dim elements each (coda's pair order:
+// the head's dims j and j + head_dim/2 adjacent, as NormRopeArgs writes q and k):
+//   n = weight ⊙ x·rsqrt(mean(x²) + eps)       (an RMSNorm of the head)
+//   y = R(φ)·n per pair (2j, 2j+1), φ = pos[m]·inv_freq[j] (float32, as Hugging Face)
+// weight (head_dim,) in pair order; head_dim 64, 128 or 256.
+struct HeadNormRopeArgs {
+  int64_t m = 0, heads = 0, head_dim = 0;
+  const void* x = nullptr;           // (m, heads, head_dim): row stride ldx, heads adjacent
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (head_dim)
+  const int32_t* positions = nullptr;  // (m)
+  const float* inv_freq = nullptr;   // (head_dim / 2)
+  float eps = 1e-6f;
+  void* y = nullptr;                 // (m, heads, head_dim) out, row stride ldy
+  int64_t ldy = 0;
+};
+
+// Its backward from the forward's input x: dx (may not alias dy or x) and the
+// weight gradient as fp32 partial sums, dweight_partials[p][j] for
+// p < head_norm_rope_partials(args) (their sum over p is dweight), or null.
+struct HeadNormRopeBackwardArgs {
+  int64_t m = 0, heads = 0, head_dim = 0;
+  const void* dy = nullptr;          // (m, heads, head_dim), row stride lddy
+  int64_t lddy = 0;
+  const void* x = nullptr;           // as HeadNormRopeArgs
+  int64_t ldx = 0;
+  const void* weight = nullptr;
+  const int32_t* positions = nullptr;
+  const float* inv_freq = nullptr;
+  float eps = 1e-6f;
+  void* dx = nullptr;                // (m, heads, head_dim) out, row stride lddx
+  int64_t lddx = 0;
+  float* dweight_partials = nullptr;  // (head_norm_rope_partials, head_dim) out, or null
+};
+
 // The cross-entropy rows of the fused LM head + loss (csrc/cross_entropy_kernels.cu):
 // per row of a chunk of logits, the loss and log-sum-exp, and, with
 // write_grad, d loss / d logits written over the logits (scaled by
@@ -341,6 +377,10 @@ Status glu_dgrad(DType dtype, const GluDgradArgs& args, void* workspace, size_t 
 Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
+Status head_norm_rope(DType dtype, const HeadNormRopeArgs& args, cudaStream_t stream);
+Status head_norm_rope_backward(DType dtype, const HeadNormRopeBackwardArgs& args, cudaStream_t stream);
+// The rows of head_norm_rope_backward's dweight_partials for these sizes.
+int64_t head_norm_rope_partials(int64_t m, int64_t heads);
 Status cross_entropy(DType dtype, const CrossEntropyArgs& args, cudaStream_t stream);
 // x[i] ← x[i]·(*scale) for i < n, computed in float and rounded once, the
 // scale read on the device: gradients a fused loss computed in its forward,

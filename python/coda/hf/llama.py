@@ -28,7 +28,6 @@ import types
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -104,18 +103,11 @@ class QKNormRoPE(nn.Module):
 
     def forward(self, q, k, positions, q_norm, k_norm):
         inv_freq = self.inv_freq_bits.view(torch.float32)
-        angles = positions.to(torch.float32)[..., None, None] * inv_freq  # (..., 1 head, head_dim/2)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return (_rotate(self._norm(q, q_norm), cos, sin), _rotate(self._norm(k, k_norm), cos, sin))
+        return (ops.head_norm_rope(q, self._weight(q_norm), positions, inv_freq, norm_eps(q_norm)),
+                ops.head_norm_rope(k, self._weight(k_norm), positions, inv_freq, norm_eps(k_norm)))
 
-    def _norm(self, t, norm):
-        weight = norm_gamma(norm.weight, self.zero_centered).unflatten(0, (2, -1)).t().flatten()  # -> pair order
-        return F.rms_norm(t, (t.shape[-1],), weight, norm_eps(norm))
-
-
-def _rotate(t, cos, sin):
-    even, odd = t.unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
+    def _weight(self, norm):
+        return norm_gamma(norm.weight, self.zero_centered).unflatten(0, (2, -1)).t().flatten()  # -> pair order
 
 
 class GateUpMLP(SwiGLUMLP):

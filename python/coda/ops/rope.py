@@ -41,7 +41,7 @@ from ._common import autocast
 from .norm import _f32, _stats_fake, _to_rows, normalize_reference
 
 __all__ = ["rope_frequencies", "rope_permute_qk", "rope_unpermute_qk", "rmsnorm_linear_rope",
-           "rmsnorm_linear_rope_reference"]
+           "rmsnorm_linear_rope_reference", "head_norm_rope", "head_norm_rope_reference"]
 
 
 if _kernels.available():
@@ -55,6 +55,15 @@ if _kernels.available():
         e = x.new_empty
         return (e(x.shape) if needs[0] else e(0), e(x.shape[-1]) if needs[1] else e(0),
                 e(weight.shape) if needs[2] else e(0), e(weight.shape[0]) if needs[3] else e(0))
+
+    @torch.library.register_fake("coda::head_norm_rope")
+    def _(x, weight, positions, inv_freq, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("coda::head_norm_rope_backward")
+    def _(dy, x, weight, positions, inv_freq, eps, needs):
+        return x.new_empty(x.shape) if needs[0] else x.new_empty(0), \
+            weight.new_empty(weight.shape) if needs[1] else x.new_empty(0)
 
 
 # ---- the layout: frequencies and the q/k row permutation
@@ -213,3 +222,53 @@ def rmsnorm_linear_rope(x: Tensor, norm_weight: Tensor, weight: Tensor, position
     pos = positions.reshape(-1).to(torch.int32).contiguous()
     return torch.ops.coda.rmsnorm_linear_rope.default(x, norm_weight, weight, bias, pos, freq, _to_rows(stats),
                                                       eps)[0]
+
+
+# ---- Qwen3's and Gemma 3's q / k path: a per-head RMSNorm, then RoPE
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def head_norm_rope_reference(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """RoPE(RMSNorm_head(x)) unfused, as Hugging Face computes it: the float32 angles
+    positions · inv_freq, their cos and sin in x's dtype, the pair (2j, 2j+1) rotated by the
+    j-th; the reference path and the tests' baseline."""
+    angles = positions.to(torch.float32)[..., None, None] * inv_freq.to(torch.float32)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = F.rms_norm(x, (x.shape[-1],), weight, eps).unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).flatten(-2)
+
+
+def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tensor, eps: float) -> Tensor:
+    """Each head's RMSNorm, then its rotary embedding, in one pass (Qwen3's and Gemma 3's
+    q_norm / k_norm sit between the projection and RoPE), forward and backward.
+
+    x: (..., heads, head_dim) in coda's pair order (a head's dims j and j + head_dim/2
+    adjacent, as rmsnorm_linear_rope writes q and k); weight: (head_dim,) in the same order
+    (the norm's scale as applied: Gemma's 1 + w); positions: integers of shape x.shape[:-2]
+    (or broadcastable to it); inv_freq: float32 (head_dim/2,), the rotation of pair j in
+    radians per position; eps: the norm's. Kernels: bf16 / fp16 CUDA tensors with head_dim
+    64, 128 or 256; anything else runs head_norm_rope_reference. Returns x's shape.
+    """
+    op = "head_norm_rope"
+    if x.dim() < 2:
+        raise ValueError(f"coda.{op}: x must be (..., heads, head_dim), got shape {tuple(x.shape)}")
+    hd = x.shape[-1]
+    if weight.shape != (hd,):
+        raise ValueError(f"coda.{op}: weight must be (head_dim,) = ({hd},), got {tuple(weight.shape)}")
+    if inv_freq.shape != (hd // 2,) or hd % 2:
+        raise ValueError(f"coda.{op}: inv_freq must be (head_dim / 2,) = ({hd // 2},) for an even head_dim, "
+                         f"got {tuple(inv_freq.shape)}")
+    if positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"coda.{op}: positions must be an integer tensor, got {positions.dtype}")
+    for name, t in (("weight", weight), ("positions", positions), ("inv_freq", inv_freq)):
+        if t.device != x.device:
+            raise ValueError(f"coda.{op}: {name} is on {t.device}, expected {x.device} (the device of x)")
+    positions = positions.expand(x.shape[:-2])
+    if x.device.type == "cuda" and hd not in HEAD_DIMS and _kernels.why_not(x, _kernels.BF16_FP16, [hd]) is None:
+        _kernels.fallback(op, f"head_dim {hd} has no kernel ({', '.join(map(str, HEAD_DIMS))} have)")
+        return head_norm_rope_reference(x, weight, positions, inv_freq, eps)
+    if hd not in HEAD_DIMS or not _kernels.use_kernels(op, x, _kernels.BF16_FP16, [hd]):
+        return head_norm_rope_reference(x, weight, positions, inv_freq, eps)
+    return torch.ops.coda.head_norm_rope.default(x, weight.to(x.dtype), positions, inv_freq.to(torch.float32),
+                                                 float(eps))
