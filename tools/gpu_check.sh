@@ -18,8 +18,8 @@
 # a quick check of work that needs no other CUTLASS kernel (the loss), with TESTS naming its tests;
 # SCRIPTS="variants.py --variant raster=2;max_autotune.py" runs those benchmarks/
 # scripts, each with --out OUT_DIR, after the benchmarks in every mode.
-# (no mode): tests, C++ example, coda.bench, the fused GEMMs against cuBLAS (KERNEL_BENCH=0 leaves them out,
-#   KERNEL_BENCH_ARGS adds to them, e.g. "--tokens 4096"), then benchmarks/sweep.py (SWIZZLES,
+# (no mode): tests, C++ example, coda.bench, its fused_gemm and generate sections (KERNEL_SECTIONS="" leaves
+#   them out, KERNEL_BENCH_ARGS adds to them), then benchmarks/sweep.py (SWIZZLES,
 #   SWEEP_ARGS, SWEEP_SHAPES="tokens:d:ffn ..."); --quick leaves the sweep out.
 # --sweep: the tests (SWEEP_TESTS=0 leaves them out), again under each override in
 #   CODA_TEST_TUNING="config,raster,swizzle ..." before anything is timed, the per-kernel
@@ -101,13 +101,16 @@ run_bench() {
 }
 
 # Every fused GEMM of the LLaMA and GPT-2 training steps against cuBLAS's plain GEMM of the same operands,
-# kernel by kernel (coda.bench --only fused_gemm; KERNEL_BENCH=0 leaves it out).
+# kernel by kernel, then generate()'s prefill and decode with and without coda's kernels: coda.bench's
+# fused_gemm and generate sections, each into its own results file (KERNEL_SECTIONS picks, empty: none).
 run_kernel_bench() {
-  [ "${KERNEL_BENCH:-1}" != 0 ] || return 0
-  step "fused GEMMs against cuBLAS ${KERNEL_BENCH_ARGS:-}"
-  timeout -k 10 "${KERNEL_BENCH_TIMEOUT:-480}" python3 -m coda.bench --kernels --only fused_gemm --out "$OUT" \
-    ${KERNEL_BENCH_ARGS:-} > "$OUT/fused_gemm.log" 2>&1 || status=1
-  grep -E "^  fused_gemm_" "$OUT/fused_gemm.log" || tail -30 "$OUT/fused_gemm.log"
+  local section
+  for section in ${KERNEL_SECTIONS-fused_gemm generate}; do
+    step "coda.bench --only $section ${KERNEL_BENCH_ARGS:-}"
+    timeout -k 10 "${KERNEL_BENCH_TIMEOUT:-480}" python3 -m coda.bench --kernels --only "$section" --out "$OUT" \
+      ${KERNEL_BENCH_ARGS:-} > "$OUT/$section.log" 2>&1 || status=1
+    grep -E "^  (fused_gemm|generate)_" "$OUT/$section.log" || tail -30 "$OUT/$section.log"
+  done
 }
 
 # The benchmarks/ scripts in SCRIPTS, each with --out OUT, logged to <script>.log.

@@ -90,10 +90,29 @@ def why_not(x: torch.Tensor, dtypes: Sequence[torch.dtype], sizes: Sequence[int]
     return None
 
 
-def use_kernels(op: str, x: torch.Tensor, dtypes: Sequence[torch.dtype], sizes: Sequence[int]) -> bool:
+_reference_only = False
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Every op inside the block runs its reference path, silently: for benchmarks that time
+    the unfused torch code inside a patched model (a decode step on the kernels or not)."""
+    global _reference_only
+    before, _reference_only = _reference_only, True
+    try:
+        yield
+    finally:
+        _reference_only = before
+
+
+def use_kernels(op: str, x: torch.Tensor, dtypes: Sequence[torch.dtype], sizes: Sequence[int],
+                unsupported: Optional[str] = None) -> bool:
     """Whether `op` runs its kernels on these inputs; says why not, once per
-    op and reason, where a CUDA call falls back. No rows: nothing to compute."""
-    reason = why_not(x, dtypes, sizes)
+    op and reason, where a CUDA call falls back. No rows: nothing to compute.
+    unsupported: what of the call the op's kernels cannot take (a head size, ...), or None."""
+    if _reference_only:
+        return False
+    reason = why_not(x, dtypes, sizes) or unsupported
     if reason is None:
         return x.numel() > 0
     if reason != "cpu":

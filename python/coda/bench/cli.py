@@ -35,6 +35,10 @@ peak memory per impl, into <date>-<device>-lm_head-<commit>.json when it runs al
 LLaMA-3-8B (16,384) and GPT-2-medium (8192) layer's forward + backward, kernel by
 kernel, against cuBLAS's plain GEMM of the same operands (fused_gemm.py), into
 <date>-<device>-fused_gemm-<commit>.json when it runs alone.
+`--only generate` times greedy generate() (prompt 128, 64 new tokens, batch 1 and 8;
+--tokens sets the batches) of GPT-2-medium and LLaMA-3.2-1B: Hugging Face's, patched,
+and patched with every op on its reference path: prefill and per-token decode times
+(generate.py), into <date>-<device>-generate-<commit>.json when it runs alone.
 `--sweep-shapes` runs the GPT-style block (never llama) at every point of
 tokens 2048, 8192, 16384 x d 1024, 2048, 4096 (`--tokens` and `--dims`
 narrow it), into <date>-<device>-shapes-<commit>.json. `--only`, `--sweep-shapes`
@@ -60,13 +64,13 @@ import torch
 import coda
 from coda import _kernels
 
-from . import blocks, fused_gemm, llama, lm_head, mlp, norm, results, table, train
+from . import blocks, fused_gemm, generate, llama, lm_head, mlp, norm, results, table, train
 from .timing import Runner, timer
 
 SECTIONS = {"block": blocks.run, "mlp": mlp.run, "norm": norm.run, "llama": llama.run, "lm_head": lm_head.run,
-            "fused_gemm": fused_gemm.run}
+            "fused_gemm": fused_gemm.run, "generate": generate.run}
 # sections whose points are their own (tokens with a width or a model), not tokens x --dims
-OWN_POINTS = ("llama", "lm_head", "fused_gemm")
+OWN_POINTS = ("llama", "lm_head", "fused_gemm", "generate")
 SWEEP_TOKENS, SWEEP_DIMS = [2048, 8192, 16384], [1024, 2048, 4096]
 
 
@@ -137,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--no-plot", action="store_true", help="no .png beside the results file")
     k = p.add_argument_group("the kernel-level benchmarks (--kernels; each flag below implies it)")
     k.add_argument("--kernels", action="store_true", help="run the kernel-level benchmarks instead")
-    k.add_argument("--only", type=_sections, metavar="block|mlp|norm|llama|lm_head|fused_gemm",
+    k.add_argument("--only", type=_sections, metavar="block|mlp|norm|llama|lm_head|fused_gemm|generate",
                    help="the cases to run, comma-separated (default: block)")
     k.add_argument("--tokens", type=_ints, help="comma-separated rows of every activation, one case each "
                                                 "(default: 8192 on the GPU, 256 on the CPU; llama: 16384 at "
@@ -227,7 +231,7 @@ def training(args: argparse.Namespace) -> int:
 
 
 def kernels(args: argparse.Namespace) -> int:
-    """The kernel-level benchmarks: the block, mlp, norm, llama, lm_head and fused_gemm sections."""
+    """The kernel-level benchmarks: the block, mlp, norm, llama, lm_head, fused_gemm and generate sections."""
     gpu, why_not = gpu_here()
     if gpu:
         device, dtype = "cuda", getattr(torch, args.dtype)
@@ -252,6 +256,7 @@ def kernels(args: argparse.Namespace) -> int:
 
     head_points = lm_head.points(args.tokens, args.dims, gpu) if "lm_head" in args.only else []
     gemm_points = fused_gemm.points(args.tokens, gpu) if "fused_gemm" in args.only else []
+    generate_points = generate.points(args.tokens, gpu) if "generate" in args.only else []
 
     r = Runner(gpu, args.warmup_ms, args.rep_ms, args.rounds, args.host_reps)
     kind = ("shapes" + (f"-t{'-'.join(map(str, tokens))}" if args.tokens else "")) if args.sweep_shapes else ""
@@ -262,6 +267,9 @@ def kernels(args: argparse.Namespace) -> int:
     shape = {} if alone else {"tokens": tokens, "dims": dims, "ffn": "4d"}
     if gemm_points:
         shape["fused_gemm"] = [{"tokens": t, "model": m, "seq": min(fused_gemm.SEQ, t)} for t, m in gemm_points]
+    if generate_points:
+        shape["generate"] = [{"batch": b, "model": m, "prompt": generate.PROMPT, "new_tokens": generate.NEW}
+                             for b, m in generate_points]
     if head_points:
         shape["lm_head"] = [{"tokens": t, "d": d, "vocab": lm_head.VOCAB if gpu else 1000} for t, d in head_points]
     if llama_points:
@@ -277,7 +285,8 @@ def kernels(args: argparse.Namespace) -> int:
 
     r.after_case = save
     for name in args.only:
-        pairs = {"llama": llama_points, "lm_head": head_points, "fused_gemm": gemm_points}.get(name)
+        pairs = {"llama": llama_points, "lm_head": head_points, "fused_gemm": gemm_points,
+                 "generate": generate_points}.get(name)
         for t, ds in ([(t, [d]) for t, d in pairs] if pairs is not None else [(t, dims) for t in tokens]):
             SECTIONS[name](r, t, ds, dtype, device)
     table.print_table(r.results)

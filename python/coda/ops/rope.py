@@ -265,10 +265,8 @@ def head_norm_rope(x: Tensor, weight: Tensor, positions: Tensor, inv_freq: Tenso
         if t.device != x.device:
             raise ValueError(f"coda.{op}: {name} is on {t.device}, expected {x.device} (the device of x)")
     positions = positions.expand(x.shape[:-2])
-    if x.device.type == "cuda" and hd not in HEAD_DIMS and _kernels.why_not(x, _kernels.BF16_FP16, [hd]) is None:
-        _kernels.fallback(op, f"head_dim {hd} has no kernel ({', '.join(map(str, HEAD_DIMS))} have)")
-        return head_norm_rope_reference(x, weight, positions, inv_freq, eps)
-    if hd not in HEAD_DIMS or not _kernels.use_kernels(op, x, _kernels.BF16_FP16, [hd]):
+    other = None if hd in HEAD_DIMS else f"head_dim {hd} has no kernel ({', '.join(map(str, HEAD_DIMS))} have)"
+    if not _kernels.use_kernels(op, x, _kernels.BF16_FP16, [hd], other):
         return head_norm_rope_reference(x, weight, positions, inv_freq, eps)
     return torch.ops.coda.head_norm_rope.default(x, weight.to(x.dtype), positions, inv_freq.to(torch.float32),
                                                  float(eps))
