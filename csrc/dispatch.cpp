@@ -71,6 +71,17 @@ size_t workspace_size(DType t, Config c, const GemmProblem& p, const Epilogue<P>
   return 0;
 }
 
+bool kernel_facts(Program p, DType t, Config c, KernelFacts* out) {
+#define CODA_KERNEL(P_, T_, C_)                                        \
+  if (p == Program::P_ && t == DType::T_ && c == Config::C_) {         \
+    *out = facts<Program::P_, DType::T_, Config::C_>();                \
+    return true;                                                       \
+  }
+#include "kernel_list.def"
+#undef CODA_KERNEL
+  return false;
+}
+
 int64_t launch_count(Program p, Config c) {
   return launches[static_cast<int>(p)][static_cast<int>(c)].load(std::memory_order_relaxed);
 }

@@ -325,10 +325,26 @@ Status launch(const GemmProblem& p, const Epilogue<P>& e) {
   });
 }
 
+template <Program P, DType T, Config C>
+KernelFacts facts() {
+  using G = typename ProgramGemm<P>::template type<T, C>;
+  using EpiTile = typename G::EpiTile;
+  KernelFacts f;
+  f.stages = int(G::Mainloop::DispatchPolicy::Stages);
+  f.epilogue_bytes = int(sizeof(typename G::CollectiveEpilogue::SharedStorage));
+  f.epilogue_tile_m = int(cute::size<0>(EpiTile{}));
+  f.epilogue_tile_n = int(cute::size<1>(EpiTile{}));
+  f.stages_c = G::EpilogueDescriptor::StagesC;
+  f.stages_d = G::EpilogueDescriptor::StagesD;
+  f.smem_bytes = int(G::Kernel::SharedStorageSize);
+  return f;
+}
+
 }  // namespace coda::kernels
 
 // The explicit instantiation of one CODA_KERNEL line of kernels/table.def (the generated
 // translation units hold one each).
 #define CODA_KERNEL(P, T, C)                                                                                      \
   template Status launch<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);     \
-  template size_t workspace<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);
+  template size_t workspace<Program::P, DType::T, Config::C>(const GemmProblem&, const Epilogue<Program::P>&);   \
+  template KernelFacts facts<Program::P, DType::T, Config::C>();

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "coda/coda.h"
+#include "coda/registry.h"
 
 namespace coda::kernels {
 
@@ -209,6 +210,16 @@ template <Program P, DType T, Config C>
 Status launch(const GemmProblem& p, const Epilogue<P>& e);
 template <Program P, DType T, Config C>
 size_t workspace(const GemmProblem& p, const Epilogue<P>& e);
+
+// What a kernel's types come to (kernels.cuh's facts<P, T, C>): its mainloop
+// stages, the epilogue's shared memory, subtile and load / store stages, the
+// kernel's shared memory in all. Every epilogue byte is carved out of the
+// mainloop's stages.
+using KernelFacts = registry::KernelFacts;
+template <Program P, DType T, Config C>
+KernelFacts facts();
+// Of a built kernel (dispatch.cpp); false where (P, dtype, config) is not built.
+bool kernel_facts(Program p, DType t, Config c, KernelFacts* out);
 
 // A tile configuration, raster order and swizzle for one GEMM (choice.cpp).
 struct Choice {

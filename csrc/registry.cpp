@@ -58,6 +58,10 @@ bool kernel_built(int p, DType t, int c) {
   return program_ok(p) && config_ok(c) && kernels::is_built(Program(p), t, Config(c));
 }
 
+bool kernel_facts(int p, DType t, int c, KernelFacts* out) {
+  return program_ok(p) && config_ok(c) && out != nullptr && kernels::kernel_facts(Program(p), t, Config(c), out);
+}
+
 int64_t launch_count(int p, int c) {
   return program_ok(p) && config_ok(c) ? kernels::launch_count(Program(p), Config(c)) : 0;
 }

@@ -1,8 +1,9 @@
-"""The shipped kernels' mainloop stages and shared memory, from their types (tools/kernel_facts.cu,
-run on the host: no GPU needed). Every byte an epilogue holds is carved out of the mainloop's
-stages, so a change to an epilogue program that costs a stage fails here, before any GPU run:
-time the change (python -m coda.bench --kernels --only fused_gemm) and update STAGES with what
-it measured. CI builds the tool (cmake --target coda_kernel_facts) and sets CODA_KERNEL_FACTS."""
+"""The shipped kernels' mainloop stages and shared memory, from their types (coda._kernels.kernel_facts,
+the registry's; and tools/kernel_facts.cu for every program x configuration, built or not): no GPU
+needed. Every byte an epilogue holds is carved out of the mainloop's stages, so a change to an
+epilogue program that costs a stage fails here, before any GPU run: time the change (python -m
+coda.bench --kernels --only fused_gemm) and update STAGES with what it measured. CI builds the tool
+(cmake --target coda_kernel_facts) and sets CODA_KERNEL_FACTS."""
 
 import os
 import subprocess
@@ -34,6 +35,24 @@ STAGES = {
 
 
 @pytest.fixture(scope="module")
+def built():
+    from coda import _kernels
+    if not _kernels.available():
+        pytest.skip(f"coda._C is not built ({_kernels.LOAD_ERROR})")
+    return _kernels.kernel_facts()
+
+
+def test_shipped_kernels_keep_their_stages(built):
+    bf16 = {tuple(key.split("/")[:2]): f for key, f in built.items() if key.endswith("/bf16")}
+    assert set(bf16) == set(STAGES), f"built: {sorted(bf16)}"
+    got = {key: f["stages"] for key, f in bf16.items()}
+    assert got == STAGES, {k: (STAGES.get(k), v) for k, v in got.items() if STAGES.get(k) != v}
+    for key, f in built.items():  # the fp16 kernels' types take the same bytes as bf16's
+        assert f == built[key.replace("/fp16", "/bf16")], key
+        assert f["smem_bytes"] <= SMEM_PER_BLOCK and f["stages_c"] <= 2, (key, f)
+
+
+@pytest.fixture(scope="module")
 def facts():
     exe = os.environ.get("CODA_KERNEL_FACTS")
     if not exe:
@@ -57,11 +76,14 @@ def test_every_program_and_configuration_is_listed(facts):
     assert {c for _, c in facts} >= configs
 
 
-def test_shipped_kernels_keep_their_stages(facts):
-    built = {key: row for key, row in facts.items() if row["built"]}
-    assert set(built) == set(STAGES), f"built: {sorted(built)}"
-    got = {key: row["stages"] for key, row in built.items()}
-    assert got == STAGES, {k: (STAGES.get(k), v) for k, v in got.items() if STAGES.get(k) != v}
+def test_the_tool_reports_what_the_registry_does(facts, built):
+    listed = {key for key, row in facts.items() if row["built"]}
+    assert listed == {tuple(key.split("/")[:2]) for key in built if key.endswith("/bf16")}
+    for (program, config) in listed:
+        row, f = facts[(program, config)], built[f"{program}/{config}/bf16"]
+        assert (row["stages"], row["epilogue_bytes"], row["smem"], row["stages_c"], row["stages_d"]) == \
+            (f["stages"], f["epilogue_bytes"], f["smem_bytes"], f["stages_c"], f["stages_d"]), (program, config)
+        assert row["epilogue_tile"] == f"{f['epilogue_tile_m']}x{f['epilogue_tile_n']}"
 
 
 def test_kernels_fit_and_epilogues_pipeline_at_most_two_deep(facts):

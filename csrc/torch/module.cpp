@@ -45,6 +45,27 @@ std::vector<std::string> programs() {
   return out;
 }
 
+// "program/config/dtype" of every kernel built and 7 integers each (registry.h's KernelFacts, in its order).
+std::tuple<std::vector<std::string>, std::vector<int64_t>> kernel_facts() {
+  std::vector<std::string> keys;
+  std::vector<int64_t> ints;
+  for (int p = 0; p < reg::program_count(); ++p) {
+    for (int c = 0; c < reg::config_count(); ++c) {
+      for (coda::DType t : {coda::DType::kBFloat16, coda::DType::kFloat16}) {
+        reg::KernelFacts f;
+        if (!reg::kernel_facts(p, t, c, &f)) continue;
+        keys.push_back(std::string(reg::program_name(p)) + "/" + reg::config_name(c) + "/" +
+                       (t == coda::DType::kBFloat16 ? "bf16" : "fp16"));
+        for (int v : {f.stages, f.epilogue_bytes, f.epilogue_tile_m, f.epilogue_tile_n, f.stages_c, f.stages_d,
+                      f.smem_bytes}) {
+          ints.push_back(v);
+        }
+      }
+    }
+  }
+  return {keys, ints};
+}
+
 // "program/config" -> launches so far, as two lists.
 std::tuple<std::vector<std::string>, std::vector<int64_t>> launch_counts() {
   std::vector<std::string> keys;
@@ -101,6 +122,7 @@ TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("_kernels_built() -> str[]", &kernels_built);
   m.def("_programs() -> str[]", &programs);
   m.def("_launch_counts() -> (str[], int[])", &launch_counts);
+  m.def("_kernel_facts() -> (str[], int[])", &kernel_facts);
   m.def("_record_launches(bool on) -> ()", &record_launches);
   m.def("_take_launches() -> (str[], int[])", &take_launches);
   m.def("_kernel_choice(str program, str dtype, int m, int n, int k, int sms) -> (str, int, int, bool)",

@@ -197,3 +197,14 @@ def recording_launches():
             m, n, k, a, lda, b, ldb, raster, swizzle = ints[9 * i:9 * i + 9]
             records.append(dict(program=program, config=config, dtype=dtype, m=m, n=n, k=k, a=a, lda=lda,
                                 a_layout=a_layout, b=b, ldb=ldb, b_layout=b_layout, raster=raster, swizzle=swizzle))
+
+
+FACTS = ("stages", "epilogue_bytes", "epilogue_tile_m", "epilogue_tile_n", "stages_c", "stages_d", "smem_bytes")
+
+
+def kernel_facts() -> Dict[str, Dict[str, int]]:
+    """"program/config_name/dtype" -> what each built kernel's types come to: its mainloop stages, the
+    epilogue's shared memory (bytes, subtile rows x columns, load and store stages) and the kernel's in all."""
+    keys, ints = torch.ops.coda._kernel_facts()
+    n = len(FACTS)
+    return {key: dict(zip(FACTS, ints[n * i:n * i + n])) for i, key in enumerate(keys)}

@@ -23,6 +23,19 @@ int config_count();
 const char* config_name(int config);
 
 bool kernel_built(int program, DType dtype, int config);
+
+// A built kernel's shape in shared memory, from its types: mainloop stages,
+// the epilogue's bytes, subtile (rows x columns) and its load (C) and store
+// (D) pipeline depths, and the kernel's bytes in all.
+struct KernelFacts {
+  int stages = 0;
+  int epilogue_bytes = 0;
+  int epilogue_tile_m = 0, epilogue_tile_n = 0;
+  int stages_c = 0, stages_d = 0;
+  int smem_bytes = 0;
+};
+// False (and *out untouched) where the kernel is not built.
+bool kernel_facts(int program, DType dtype, int config, KernelFacts* out);
 // Launches of (program, config) in this process.
 int64_t launch_count(int program, int config);
 

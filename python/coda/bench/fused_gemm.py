@@ -19,7 +19,9 @@ Both are timed by the same profiler, the L2 cleared before each rep; the impls t
 --rounds rounds; median_ms is the median of the rounds' medians, tflops 2mnk over it,
 ratio_to_cublas (on coda's row) the median of the rounds' ratios.
 fused_gemm_<model>_layer_sum: per impl, Σ calls_per_layer x median_ms over the layer's
-cases, the time a layer spends in fused GEMMs; a step runs it once per layer.
+cases, the time a layer spends in fused GEMMs; a step runs it once per layer. coda's rows
+also carry the kernel's mainloop stages and epilogue shared memory (_kernels.kernel_facts):
+where an epilogue's bytes cost a stage, the mainloop has less to hide its loads behind.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from coda import _kernels
 
 from . import train
-from .timing import Runner, why
+from .timing import Runner, gpu_kernels, why
 
 SEQ = 2048
 TOKENS = {"llama1b": 8192, "llama8b": 16384, "gpt2medium": 8192}
@@ -214,15 +216,7 @@ class KernelTimer:
         self.flush_names = {e.name for e in self._events(lambda: None, 1)}
 
     def _events(self, fn: Callable, reps: int):
-        from torch.profiler import ProfilerActivity, profile
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                self.flush.zero_()
-                fn()
-            torch.cuda.synchronize()
-        return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                      key=lambda e: e.time_range.start)
+        return gpu_kernels(fn, reps, before=self.flush.zero_)
 
     def reps_for(self, fn: Callable) -> int:
         fn()
@@ -255,8 +249,10 @@ class _Timings:
     kernels: List[str] = field(default_factory=list)
 
 
-def time_call(r: Runner, kt: KernelTimer, call: Call, gemms: List[Gemm], passes: Dict[str, str]) -> List[Dict]:
-    """One call's fused GEMMs and each one's cuBLAS GEMM, in turn, r.rounds rounds."""
+def time_call(r: Runner, kt: KernelTimer, call: Call, gemms: List[Gemm], passes: Dict[str, str],
+              facts: Optional[Dict[str, Dict[str, int]]] = None) -> List[Dict]:
+    """One call's fused GEMMs and each one's cuBLAS GEMM, in turn, r.rounds rounds; coda's rows carry
+    the kernel's facts (stages, epilogue bytes: _kernels.kernel_facts) where given."""
     impls: Dict[str, Callable] = {"coda": call}
     for i, g in enumerate(gemms):
         impls[f"cublas{i}"] = (lambda a=g.a, b=g.b: torch.matmul(a, b))
@@ -294,6 +290,7 @@ def time_call(r: Runner, kt: KernelTimer, call: Call, gemms: List[Gemm], passes:
                    "tflops": g.flops / statistics.median(t.rounds) / 1e9, **extra}
             if impl == "coda":
                 row.update(config=l["config"], raster=l["raster"], swizzle=l["swizzle"])
+                row.update((facts or {}).get(f"{l['program']}/{l['config']}/{l['dtype']}", {}))
             pair[impl] = row
         ratios = [c / v for c, v in zip(got["coda"][g_i].rounds, got[f"cublas{g_i}"][g_i].rounds)]
         pair["coda"]["ratio_to_cublas"] = statistics.median(ratios)
@@ -304,6 +301,7 @@ def time_call(r: Runner, kt: KernelTimer, call: Call, gemms: List[Gemm], passes:
         c = pair["coda"]
         print(f"  {case:<56} coda {c['median_ms']:8.3f} ms  cublas {pair['cublas']['median_ms']:8.3f} ms  "
               f"x{c['ratio_to_cublas']:.3f}  {c['tflops']:6.1f} TFLOP/s  {c['config']}"
+              + (f" ({c['stages']} stages, epilogue {c['epilogue_bytes'] // 1024} KB)" if "stages" in c else "")
               + ("" if g.same_operands else "  (random operands)"), flush=True)
     return rows
 
@@ -339,7 +337,7 @@ def run(r: Runner, tokens: int, models: Sequence[str], dtype: torch.dtype, devic
         for model in models:
             r.skip(f"fused_gemm_{model}", "coda", "the fused GEMMs run on an sm_90 GPU only")
         return
-    passes = _kernels.programs()
+    passes, facts = _kernels.programs(), _kernels.kernel_facts()
     kt = KernelTimer(rep_ms=r.rep_ms)
     for model in models:
         try:
@@ -353,7 +351,7 @@ def run(r: Runner, tokens: int, models: Sequence[str], dtype: torch.dtype, devic
         rows: List[Dict] = []
         for call, gemms in found:
             try:
-                rows += time_call(r, kt, call, gemms, passes)
+                rows += time_call(r, kt, call, gemms, passes, facts)
             except Exception as e:
                 for g in gemms:
                     r.skip(g.case(passes), "coda", why(e))

@@ -105,21 +105,29 @@ def rel_diff(out, ref) -> Optional[float]:
     return max(((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30)).item() for x, y in zip(a, b))
 
 
+def gpu_kernels(fn: Step, reps: int = 1, before: Optional[Step] = None) -> list:
+    """The GPU kernels of `reps` calls of fn (each after `before`, e.g. an L2 flush, where given),
+    as torch.profiler's events of the CUDA device in start order: .name, .time_range (us)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if before is not None:
+                before()
+            fn()
+        torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
 def kernel_timeline(fn: Step, calls: int = 5) -> Dict[str, object]:
     """The GPU kernels one call of fn launches, in order, with each one's time and the
     idle time before it (means over `calls` calls under the profiler): which tiles
     cuBLAS picked (its kernel names spell them out), and whether the GPU waits between
     a composite op's kernels. {"kernels": sorted names, "kernel_us": [[name, us, idle us], ...]}."""
     try:
-        from torch.profiler import ProfilerActivity, profile
         fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                         and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
+        events = [e for e in gpu_kernels(fn, calls) if e.time_range.elapsed_us() > 0]
         per_call = len(events) // calls if len(events) % calls == 0 else 0
         timeline = []
         for i in range(per_call):  # the same launches each call: average by position
