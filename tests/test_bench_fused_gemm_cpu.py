@@ -130,3 +130,25 @@ def test_launch_log_is_empty_without_launches():
     with _kernels.recording_launches() as launches:
         pass
     assert launches == []
+
+
+def _timer_with(events):
+    from types import SimpleNamespace
+    kt = object.__new__(fused_gemm.KernelTimer)
+    kt.flush_names = {"flush"}
+    kt._events = lambda fn, reps: [SimpleNamespace(name=n, time_range=SimpleNamespace(elapsed_us=lambda us=us: us))
+                                   for n, us in events]
+    return kt
+
+
+GEMM = "void cutlass::device_kernel<coda::kernels::X>"
+
+
+def test_kernel_timer_splits_reps_at_the_flush_and_picks_the_gemms():
+    kt = _timer_with([("flush", 50), ("merge", 3), (GEMM, 1000), ("flush", 50), (GEMM, 1100), ("merge", 2)])
+    assert kt.durations(None, 2, fused_gemm.coda_gemm_kernel, 1) == [[1.0], [1.1]]
+    assert kt.total(None, 2) == [pytest.approx(1.003), pytest.approx(1.102)]
+    with pytest.raises(RuntimeError, match="expected 2 picked kernel"):
+        kt.durations(None, 2, fused_gemm.coda_gemm_kernel, 2)
+    with pytest.raises(RuntimeError, match="found 2 flushes in 3 reps"):
+        kt.total(None, 3)

@@ -15,7 +15,8 @@ layer (calls_per_layer: how often one layer runs it). Impls:
           (CUPTI, through torch.profiler), not the call's other kernels
   cublas  torch.matmul on views of the same bytes in the same layouts (operands "same";
           "random" where the kernel read a buffer of the op's own, e.g. a copy)
-Both are timed by the same profiler, the L2 cleared before each rep; the impls take turns,
+Both are timed by the same profiler, the L2 cleared before each rep (cuBLAS: every kernel of
+the matmul, a split-K reduction included); the impls take turns,
 --rounds rounds; median_ms is the median of the rounds' medians, tflops 2mnk over it,
 ratio_to_cublas (on coda's row) the median of the rounds' ratios.
 fused_gemm_<model>_layer_sum: per impl, Σ calls_per_layer x median_ms over the layer's
@@ -66,7 +67,8 @@ class Call:
     kwargs: dict
 
     def __call__(self):
-        return self.op(*self.args, **self.kwargs)
+        with torch.no_grad():  # the call as the step made it, below autograd: no graph node for a replay
+            return self.op(*self.args, **self.kwargs)
 
     def tensors(self) -> List[torch.Tensor]:
         out: List[torch.Tensor] = []
@@ -208,7 +210,8 @@ def coda_gemm_kernel(name: str) -> bool:
 
 class KernelTimer:
     """Times the kernels a step launches, by their GPU durations under the profiler, each rep
-    after an L2 flush."""
+    after an L2 flush. The flush (a bitwise not of 256 MB, a kernel no op here launches) also
+    marks where each rep begins."""
 
     def __init__(self, rep_ms: float = 100, min_reps: int = 5, max_reps: int = 200):
         self.rep_ms, self.min_reps, self.max_reps = rep_ms, min_reps, max_reps
@@ -216,7 +219,7 @@ class KernelTimer:
         self.flush_names = {e.name for e in self._events(lambda: None, 1)}
 
     def _events(self, fn: Callable, reps: int):
-        return gpu_kernels(fn, reps, before=self.flush.zero_)
+        return gpu_kernels(fn, reps, before=self.flush.bitwise_not_)
 
     def reps_for(self, fn: Callable) -> int:
         fn()
@@ -229,17 +232,32 @@ class KernelTimer:
         each = max(start.elapsed_time(end) / 3, 1e-3)
         return int(min(self.max_reps, max(self.min_reps, self.rep_ms / each)))
 
-    def durations(self, fn: Callable, reps: int, pick: Callable[[str], bool], per_rep: int) -> List[List[float]]:
-        """[rep][i] ms: the i-th picked kernel of each rep; a count other than reps x per_rep raises."""
-        picked = [e for e in self._events(fn, reps) if pick(e.name)]
-        if len(picked) != reps * per_rep:
-            names = sorted({e.name[:80] for e in picked})
-            raise RuntimeError(f"expected {per_rep} kernel(s) per rep, found {len(picked)} in {reps} reps: {names}")
-        ms = [e.time_range.elapsed_us() / 1e3 for e in picked]
-        return [ms[r * per_rep:(r + 1) * per_rep] for r in range(reps)]
+    def per_rep(self, fn: Callable, reps: int) -> List[List]:
+        """Each rep's kernels but the flush, in order; raises unless the flush began each of `reps` reps."""
+        out: List[List] = []
+        for e in self._events(fn, reps):
+            if e.name in self.flush_names:
+                out.append([])
+            elif out:
+                out[-1].append(e)
+        if len(out) != reps:
+            raise RuntimeError(f"found {len(out)} flushes in {reps} reps: the profiler lost the reps' boundaries")
+        return out
 
-    def vendor(self, name: str) -> bool:
-        return name not in self.flush_names
+    def durations(self, fn: Callable, reps: int, pick: Callable[[str], bool], per_rep: int) -> List[List[float]]:
+        """[rep][i] ms: the i-th picked kernel of each rep; another count than per_rep in a rep raises."""
+        out = []
+        for kernels in self.per_rep(fn, reps):
+            picked = [e for e in kernels if pick(e.name)]
+            if len(picked) != per_rep:
+                names = sorted({e.name[:80] for e in kernels})
+                raise RuntimeError(f"expected {per_rep} picked kernel(s) per rep, found {len(picked)}: {names}")
+            out.append([e.time_range.elapsed_us() / 1e3 for e in picked])
+        return out
+
+    def total(self, fn: Callable, reps: int) -> List[float]:
+        """Each rep's kernels' summed durations, ms: a vendor GEMM of one kernel or of a split and its reduction."""
+        return [sum(e.time_range.elapsed_us() for e in kernels) / 1e3 for kernels in self.per_rep(fn, reps)]
 
 
 @dataclass
@@ -271,7 +289,7 @@ def time_call(r: Runner, kt: KernelTimer, call: Call, gemms: List[Gemm], passes:
                     got[name][g_i].all += t
             else:
                 g_i = int(name[len("cublas"):])
-                ds = [sum(d) for d in kt.durations(impls[name], reps[name], kt.vendor, 1)]
+                ds = kt.total(impls[name], reps[name])
                 got[name][g_i].rounds.append(statistics.median(ds))
                 got[name][g_i].all += ds
     rows = []
@@ -314,7 +332,7 @@ def _launches_of(call: Call) -> List[Dict]:
 
 
 def _vendor_kernels(kt: KernelTimer, fn: Callable) -> List[str]:
-    return sorted({e.name[:120] for e in kt._events(fn, 1) if kt.vendor(e.name)})
+    return sorted({e.name[:120] for e in kt.per_rep(fn, 1)[0]})
 
 
 def layer_sum(model: str, rows: Sequence[Dict]) -> List[Dict]:
