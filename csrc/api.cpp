@@ -558,6 +558,37 @@ Status check_heads(const char* op, int64_t m, int64_t heads, int64_t head_dim) {
 }
 }  // namespace
 
+Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "rmsnorm_residual: sizes must be positive");
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("residual", a.residual, a.ld_residual, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("weight", a.weight, true));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, true));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::rmsnorm_residual(dtype, a, stream);
+}
+
+Status rmsnorm_residual_backward(DType dtype, const RmsNormResidualBackwardArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0) {
+    return detail::fail(Status::kInvalidArgument, "rmsnorm_residual_backward: sizes must be positive");
+  }
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("weight", a.weight, true));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, true));
+  CODA_RETURN_IF_ERROR(check_vector("dweight_partials", a.dweight_partials, false));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::rmsnorm_residual_backward(dtype, a, stream);
+}
+
+int64_t rmsnorm_residual_partials(int64_t m) { return kernels::rmsnorm_residual_partials(m); }
+
 Status head_norm_rope(DType dtype, const HeadNormRopeArgs& a, cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype(dtype));
   CODA_RETURN_IF_ERROR(check_heads("head_norm_rope", a.m, a.heads, a.head_dim));

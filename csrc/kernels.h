@@ -284,6 +284,12 @@ size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
 
 // The body of the public coda::rope_backward (csrc/rope_kernels.cu).
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream);
+// The bodies of the public coda::rmsnorm_residual, its backward and
+// rmsnorm_residual_partials (csrc/norm_kernels.cu).
+Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& a, cudaStream_t stream);
+Status rmsnorm_residual_backward(DType dtype, const RmsNormResidualBackwardArgs& a, cudaStream_t stream);
+int64_t rmsnorm_residual_partials(int64_t m);
+
 // The bodies of the public coda::head_norm_rope, head_norm_rope_backward and
 // head_norm_rope_partials (csrc/rope_kernels.cu).
 Status head_norm_rope(DType dtype, const HeadNormRopeArgs& a, cudaStream_t stream);

@@ -286,6 +286,102 @@ __global__ void __launch_bounds__(kThreads, 2) norm_row_dots_bias_kernel(
   }
 }
 
+// ---- Gemma's sandwich norms: Y = R + γ ⊙ X·rstd (RmsNormResidualArgs), a warp per row
+
+constexpr int kResidualMaxBlocks = 1024;  // the backward's dγ partial rows, at most (the forward: a warp per row)
+
+unsigned residual_blocks(int64_t m) {
+  const int64_t b = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  return static_cast<unsigned>(b < kResidualMaxBlocks ? b : kResidualMaxBlocks);
+}
+
+template <class T>
+__device__ void load_gamma8(const T* __restrict__ w, int64_t j, bool zero_centered, float (&g)[8]) {
+  const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(w + j);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) g[i] = to_float(v.v[i]) + (zero_centered ? 1.f : 0.f);
+}
+
+template <class T>
+__global__ void rmsnorm_residual_kernel(int64_t m, int64_t n, const T* __restrict__ x, int64_t ldx,
+                                        const T* __restrict__ weight, bool zero_centered, float eps,
+                                        const T* __restrict__ residual, int64_t ldr, T* __restrict__ y, int64_t ldy,
+                                        float* __restrict__ rstd_out) {
+  const int64_t first = int64_t(threadIdx.x % 32) * 8;
+  for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32; r < m;
+       r += int64_t(gridDim.x) * kRowsPerBlock) {
+    const T* row = x + r * ldx;
+    float q = 0.f;
+    for (int64_t j = first; j < n; j += kWarpStride) {
+      const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q += to_float(v.v[i]) * to_float(v.v[i]);
+    }
+    const float rstd = rsqrtf(warp_sum(q) / float(n) + eps);
+    if (threadIdx.x % 32 == 0) rstd_out[r] = rstd;
+    for (int64_t j = first; j < n; j += kWarpStride) {
+      const Vec8<T> v = *reinterpret_cast<const Vec8<T>*>(row + j);  // again, from L1 / L2
+      const Vec8<T> res = *reinterpret_cast<const Vec8<T>*>(residual + r * ldr + j);
+      float g[8];
+      load_gamma8(weight, j, zero_centered, g);
+      Vec8<T> out;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out.v[i] = from_float<T>(to_float(res.v[i]) + g[i] * (to_float(v.v[i]) * rstd));
+      *reinterpret_cast<Vec8<T>*>(y + r * ldy + j) = out;
+    }
+  }
+}
+
+// dγ accumulates in shared memory (n floats, shared atomics across the block's warps), one partial
+// row per block.
+template <class T>
+__global__ void rmsnorm_residual_backward_kernel(int64_t m, int64_t n, const T* __restrict__ dy, int64_t lddy,
+                                                 const T* __restrict__ x, int64_t ldx, const T* __restrict__ weight,
+                                                 bool zero_centered, const float* __restrict__ rstd_in,
+                                                 T* __restrict__ dx, int64_t lddx, float* __restrict__ partials) {
+  extern __shared__ float dgamma[];
+  const bool want_dgamma = partials != nullptr;  // grid-uniform
+  if (want_dgamma) {
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) dgamma[j] = 0.f;
+    __syncthreads();
+  }
+  const int64_t first = int64_t(threadIdx.x % 32) * 8;
+  for (int64_t r = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32; r < m;
+       r += int64_t(gridDim.x) * kRowsPerBlock) {
+    const T* xr = x + r * ldx;
+    const T* gr = dy + r * lddy;
+    const float rstd = rstd_in[r];
+    float dot = 0.f;  // Σ g ⊙ x̂
+    for (int64_t j = first; j < n; j += kWarpStride) {
+      const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(xr + j);
+      const Vec8<T> dv = *reinterpret_cast<const Vec8<T>*>(gr + j);
+      float g[8];
+      load_gamma8(weight, j, zero_centered, g);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += to_float(dv.v[i]) * g[i] * (to_float(xv.v[i]) * rstd);
+    }
+    const float mean_dot = warp_sum(dot) / float(n);
+    for (int64_t j = first; j < n; j += kWarpStride) {
+      const Vec8<T> xv = *reinterpret_cast<const Vec8<T>*>(xr + j);
+      const Vec8<T> dv = *reinterpret_cast<const Vec8<T>*>(gr + j);
+      float g[8];
+      load_gamma8(weight, j, zero_centered, g);
+      Vec8<T> out;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float xh = to_float(xv.v[i]) * rstd, d = to_float(dv.v[i]);
+        out.v[i] = from_float<T>(rstd * (d * g[i] - xh * mean_dot));
+        if (want_dgamma) atomicAdd(&dgamma[j + i], d * xh);
+      }
+      *reinterpret_cast<Vec8<T>*>(dx + r * lddx + j) = out;
+    }
+  }
+  if (want_dgamma) {
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) partials[int64_t(blockIdx.x) * n + j] = dgamma[j];
+  }
+}
+
 template <class Fn>
 Status with_type(DType dtype, Fn&& fn) {
   if (dtype == DType::kBFloat16) return fn(__nv_bfloat16{});
@@ -320,6 +416,42 @@ Status row_stats(DType dtype, const RowStatsArgs& a, cudaStream_t stream) {
     row_stats_kernel<T><<<blocks_for(a.m, kRowsPerBlock), kRowThreads, 0, stream>>>(
         static_cast<const T*>(a.x), a.ldx, a.m, a.n, a.layernorm, a.eps, a.mean, a.rstd);
     return launched("row_stats");
+  });
+}
+
+int64_t rmsnorm_residual_partials(int64_t m) { return m > 0 ? int64_t(residual_blocks(m)) : 0; }
+
+Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return Status::kSuccess;
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t blocks = (a.m + kRowsPerBlock - 1) / kRowsPerBlock;
+    rmsnorm_residual_kernel<T><<<static_cast<unsigned>(blocks < (1 << 30) ? blocks : (1 << 30)), kRowThreads, 0,
+                                 stream>>>(
+        a.m, a.n, static_cast<const T*>(a.x), a.ldx, static_cast<const T*>(a.weight), a.zero_centered, a.eps,
+        static_cast<const T*>(a.residual), a.ld_residual, static_cast<T*>(a.y), a.ldy, a.rstd);
+    return launched("rmsnorm_residual");
+  });
+}
+
+Status rmsnorm_residual_backward(DType dtype, const RmsNormResidualBackwardArgs& a, cudaStream_t stream) {
+  if (a.m == 0) return Status::kSuccess;
+  const size_t smem = a.dweight_partials != nullptr ? sizeof(float) * size_t(a.n) : 0;
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (smem > 48 * 1024) {
+      cudaError_t e = cudaFuncSetAttribute(rmsnorm_residual_backward_kernel<T>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      if (e != cudaSuccess) {
+        return detail::fail(Status::kNotSupported, std::string("rmsnorm_residual_backward: rows of ") +
+                                                       std::to_string(a.n) + " need " + std::to_string(smem) +
+                                                       " bytes of shared memory: " + cudaGetErrorString(e));
+      }
+    }
+    rmsnorm_residual_backward_kernel<T><<<residual_blocks(a.m), kRowThreads, smem, stream>>>(
+        a.m, a.n, static_cast<const T*>(a.dy), a.lddy, static_cast<const T*>(a.x), a.ldx,
+        static_cast<const T*>(a.weight), a.zero_centered, a.rstd, static_cast<T*>(a.dx), a.lddx, a.dweight_partials);
+    return launched("rmsnorm_residual_backward");
   });
 }
 

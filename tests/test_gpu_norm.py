@@ -359,3 +359,30 @@ def test_kept_fold_with_inference_mode_parameters(seed):
         want = ops.norm_linear_reference(x.double(), m.norm.weight.double(), m.norm.bias.double(),
                                          m.linear.weight.double(), m.linear.bias.double())
     assert rel_err(y, want) < 1e-2, seed
+
+
+# ---- Gemma's sandwich norms: residual + RMSNorm(x)·γ in one pass (rmsnorm_residual)
+
+@pytest.mark.parametrize("d", [1152, 2048, 16384])  # 16384: dγ's 64 KB of shared memory takes the opt-in
+@pytest.mark.parametrize("zero_centered", [True, False])
+def test_rmsnorm_residual(d, zero_centered, seed):
+    m, eps = 1000, 1e-6
+    x, r = rand(m, d, dtype=BF16, scale=3.0), residual_stream(m, d)
+    w = (0.2 * torch.randn(d, device="cuda")).to(BF16) + (0 if zero_centered else 1)
+    dy = rand(m, d, dtype=BF16)
+    check_against_torch(f"rmsnorm_residual d={d} zero_centered={zero_centered} seed={seed}",
+                        lambda x, w, r: ops.rmsnorm_residual(x, w, r, eps, zero_centered),
+                        lambda x, w, r: ops.rmsnorm_residual_reference(x, w, r, eps, zero_centered),
+                        [x, w, r], dy, 6 * m * d * 2, programs=(), tokens=m)
+
+
+def test_rmsnorm_residual_fp16_strided_and_op(seed):
+    b, s, d, eps = 2, 300, 1152, 1e-6
+    big = rand(b, s, 2 * d, dtype=torch.float16)
+    x = big[..., :d]  # a strided view, as a split GEMM output would be
+    r, w = rand(b, s, d, dtype=torch.float16), (0.2 * torch.randn(d, device="cuda")).to(torch.float16)
+    dy = rand(b, s, d, dtype=torch.float16)
+    check_against_torch(f"rmsnorm_residual fp16 seed={seed}", lambda x, w, r: ops.rmsnorm_residual(x, w, r, eps, True),
+                        lambda x, w, r: ops.rmsnorm_residual_reference(x, w, r, eps, True), [x, w, r], dy,
+                        6 * b * s * d * 2, programs=(), tokens=b * s)
+    check_op(torch.ops.coda.rmsnorm_residual.default, (x.detach().requires_grad_(True), w, r, eps, True))

@@ -447,6 +447,101 @@ std::tuple<Tensor, Tensor> linear_residual_autograd(const Tensor& x, const Tenso
   return {o[0], o[1]};
 }
 
+
+// ---- Gemma's sandwich norms: y = residual + γ ⊙ RMSNorm(x) (γ = 1 + weight where zero_centered)
+
+Tensor vector_like(const Tensor& w, const Tensor& x, int64_t n, const char* what) {
+  expect(w.numel() == n, what);
+  return vec(w.to(x.scalar_type()));
+}
+
+// -> (y, rstd (m) fp32)
+std::tuple<Tensor, Tensor> rmsnorm_residual(const Tensor& x_, const Tensor& weight, const Tensor& residual_,
+                                            double eps, bool zero_centered) {
+  c10::cuda::CUDAGuard guard(x_.device());
+  expect(residual_.sizes() == x_.sizes(), "rmsnorm_residual: residual must have x's shape");
+  Tensor x = rows(x_), res = rows(residual_);
+  const int64_t m = x.size(0), n = x.size(1);
+  Tensor w = vector_like(weight, x, n, "rmsnorm_residual: weight must be (features,)");
+  Tensor y = empty_rows_of(x_, n), rstd = f32({m}, x);
+  RmsNormResidualArgs a;
+  a.m = m; a.n = n;
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr(); a.zero_centered = zero_centered;
+  a.eps = static_cast<float>(eps);
+  a.residual = res.data_ptr(); a.ld_residual = res.stride(0);
+  Tensor y2 = flat(y);
+  a.y = y2.data_ptr(); a.ldy = y2.stride(0);
+  a.rstd = rstd.data_ptr<float>();
+  check(coda::rmsnorm_residual(dtype_of(x), a, stream()), "rmsnorm_residual");
+  return {y, rstd};
+}
+
+// needs: (dx, dweight); the residual's gradient is dy (the autograd's)
+std::tuple<Tensor, Tensor> rmsnorm_residual_backward(const Tensor& dy_, const Tensor& x_, const Tensor& weight,
+                                                     const Tensor& rstd, bool zero_centered,
+                                                     std::array<bool, 2> needs) {
+  c10::cuda::CUDAGuard guard(dy_.device());
+  Tensor dy = rows(dy_), x = rows(x_);
+  const int64_t m = x.size(0), n = x.size(1);
+  Tensor w = vector_like(weight, x, n, "rmsnorm_residual_backward: weight must be (features,)");
+  Tensor dx = empty2(m, n, x);
+  Tensor partials = needs[1] ? f32({coda::rmsnorm_residual_partials(m), n}, x) : none_f32(x);
+  RmsNormResidualBackwardArgs a;
+  a.m = m; a.n = n;
+  a.dy = dy.data_ptr(); a.lddy = dy.stride(0);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = w.data_ptr(); a.zero_centered = zero_centered;
+  Tensor r = vec(rstd);
+  a.rstd = r.data_ptr<float>();
+  a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
+  a.dweight_partials = needs[1] && partials.numel() ? partials.data_ptr<float>() : nullptr;
+  check(coda::rmsnorm_residual_backward(dtype_of(x), a, stream()), "rmsnorm_residual_backward");
+  Tensor dw = needs[1] ? sum_partials(partials, n, weight) : none(dy);
+  return {needs[0] ? dx.view(x_.sizes()) : none(dy), dw};
+}
+
+CODA_OP_HANDLE(rmsnorm_residual)
+CODA_OP_HANDLE(rmsnorm_residual_backward)
+
+// Saves x, weight and the forward's rstd.
+struct RmsNormResidualFn : torch::autograd::Function<RmsNormResidualFn> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const Tensor& residual,
+                               double eps, bool zero_centered) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, rstd] = rmsnorm_residual_op().call(x, weight, residual, eps, zero_centered);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["z"] = zero_centered;
+    ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
+    return {y, rstd};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(5);
+    at::AutoDispatchBelowADInplaceOrView below;
+    const std::array<bool, 2> needs{ctx->needs_input_grad(0), ctx->needs_input_grad(1)};
+    auto v = ctx->get_saved_variables();
+    Tensor dx, dw;
+    if (needs[0] || needs[1]) {
+      std::tie(dx, dw) = rmsnorm_residual_backward_op().call(dy, v[0], v[1], v[2], ctx->saved_data["z"].toBool(),
+                                                             needs);
+    }
+    return first_order("rmsnorm_residual", {needs[0] ? dx : Tensor(), needs[1] ? dw : Tensor(),
+                                            ctx->needs_input_grad(2) ? dy : Tensor(), Tensor(), Tensor()});
+  }
+};
+
+std::tuple<Tensor, Tensor> rmsnorm_residual_autograd(const Tensor& x, const Tensor& weight, const Tensor& residual,
+                                                     double eps, bool zero_centered) {
+  if (!any_requires_grad({&x, &weight, &residual})) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return rmsnorm_residual_op().call(x, weight, residual, eps, zero_centered);
+  }
+  auto o = RmsNormResidualFn::apply(x, weight, residual, eps, zero_centered);
+  return {o[0], o[1]};
+}
+
 }  // namespace
 
 void linear_residual_into(const Tensor& x, const Tensor& w, const OptTensor& bias, const OptTensor& residual,
@@ -502,6 +597,14 @@ CODA_TORCH_OP(linear_residual,
               "linear_residual(Tensor x, Tensor weight, Tensor? bias, Tensor residual, bool layernorm, float eps)"
               " -> (Tensor, Tensor)")
 
+CODA_TORCH_OP(rmsnorm_residual,
+              "rmsnorm_residual(Tensor x, Tensor weight, Tensor residual, float eps, bool zero_centered)"
+              " -> (Tensor, Tensor)")
+CODA_TORCH_OP(rmsnorm_residual_backward,
+              "rmsnorm_residual_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, bool zero_centered,"
+              " bool[2] needs) -> (Tensor, Tensor)")
+
+CODA_AUTOGRAD(rmsnorm_residual, rmsnorm_residual_autograd)
 CODA_AUTOGRAD(norm_linear, norm_linear_autograd)
 CODA_AUTOGRAD(norm_mlp, norm_mlp_autograd)
 CODA_AUTOGRAD(linear_residual, linear_residual_autograd)

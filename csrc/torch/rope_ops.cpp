@@ -186,8 +186,7 @@ std::tuple<Tensor, Tensor> head_norm_rope_backward(const Tensor& dy_, const Tens
   a.dx = dx.data_ptr(); a.lddx = dx.stride(0);
   a.dweight_partials = needs[1] && partials.numel() ? partials.data_ptr<float>() : nullptr;
   check(coda::head_norm_rope_backward(dtype_of(x), a, stream()), "head_norm_rope_backward");
-  Tensor dw = needs[1] ? (partials.numel() ? partials.sum(0) : at::zeros({hd}, partials.options())).to(weight.scalar_type())
-                       : none(dy);
+  Tensor dw = needs[1] ? sum_partials(partials, hd, weight) : none(dy);
   return {needs[0] ? dx.view(x_.sizes()) : none(dy), dw};
 }
 

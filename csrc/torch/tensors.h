@@ -108,6 +108,13 @@ inline Tensor none_f32(const Tensor& like) { return at::empty({0}, like.options(
 
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
 
+// A weight gradient from a kernel's fp32 partial rows (p, n): their sum, in the weight's dtype (zeros
+// of n where no row was written, m = 0).
+inline Tensor sum_partials(const Tensor& partials, int64_t n, const Tensor& weight) {
+  Tensor total = partials.numel() ? partials.sum(0) : at::zeros({n}, partials.options());
+  return total.to(weight.scalar_type());
+}
+
 inline void check(Status s, const char* op) {
   TORCH_CHECK(s == Status::kSuccess, "coda::", op, " failed (", status_string(s), "): ", last_error_message());
 }

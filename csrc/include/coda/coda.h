@@ -284,6 +284,41 @@ struct RopeBackwardArgs {
   float* c1 = nullptr;               // (m) out, or null
 };
 
+// Gemma's sandwich norms: Y = R + γ ⊙ X·rstd, rstd = rsqrt(mean(X²) + eps)
+// per row, an RMSNorm of a GEMM's output before the residual add (γ = 1 +
+// weight where zero_centered, in fp32). rstd (m) is written for the backward.
+struct RmsNormResidualArgs {
+  int64_t m = 0, n = 0;
+  const void* x = nullptr;           // (m, n)
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n)
+  bool zero_centered = false;
+  float eps = 1e-6f;
+  const void* residual = nullptr;    // (m, n)
+  int64_t ld_residual = 0;
+  void* y = nullptr;                 // (m, n) out
+  int64_t ldy = 0;
+  float* rstd = nullptr;             // (m) out
+};
+
+// Its backward: dX = rstd·(g − x̂·mean(g ⊙ x̂)), g = dY ⊙ γ, x̂ = X·rstd (the
+// residual's gradient is dY itself), and dweight as fp32 partial sums
+// dweight_partials[p][j] = Σ over block p's rows of dY ⊙ x̂, for p <
+// rmsnorm_residual_partials(m), or null.
+struct RmsNormResidualBackwardArgs {
+  int64_t m = 0, n = 0;
+  const void* dy = nullptr;          // (m, n)
+  int64_t lddy = 0;
+  const void* x = nullptr;           // as the forward's
+  int64_t ldx = 0;
+  const void* weight = nullptr;
+  bool zero_centered = false;
+  const float* rstd = nullptr;       // (m) the forward's
+  void* dx = nullptr;                // (m, n) out
+  int64_t lddx = 0;
+  float* dweight_partials = nullptr;  // (rmsnorm_residual_partials(m), n) out, or null
+};
+
 // Qwen3's and Gemma 3's q / k path after the projection, per token m and head h
 // of rows holding `heads` heads of head_dim elements each (coda's pair order:
 // the head's dims j and j + head_dim/2 adjacent, as NormRopeArgs writes q and k):
@@ -377,6 +412,10 @@ Status glu_dgrad(DType dtype, const GluDgradArgs& args, void* workspace, size_t 
 Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
+Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& args, cudaStream_t stream);
+Status rmsnorm_residual_backward(DType dtype, const RmsNormResidualBackwardArgs& args, cudaStream_t stream);
+// The rows of rmsnorm_residual_backward's dweight_partials for m rows.
+int64_t rmsnorm_residual_partials(int64_t m);
 Status head_norm_rope(DType dtype, const HeadNormRopeArgs& args, cudaStream_t stream);
 Status head_norm_rope_backward(DType dtype, const HeadNormRopeBackwardArgs& args, cudaStream_t stream);
 // The rows of head_norm_rope_backward's dweight_partials for these sizes.

@@ -4,14 +4,15 @@ Gemma's decoder layer differs from LLaMA's in four ways, each met here:
 
     q, k, v = RMSNormQKVRoPE(h)                 input_layernorm folded into the QKV GEMM, zero angles
     q, k    = RoPE(q_norm(q)), RoPE(k_norm(k))  per-head norms, then RoPE with the layer type's frequencies
-    h       = h + post_attention_layernorm(o_proj(SDPA(q, k, v)))
+    h       = h + post_attention_layernorm(o_proj(SDPA(q, k, v)))   norm and add: rmsnorm_residual
     h       = h + post_feedforward_layernorm(SwiGLUMLP(h))   pre_feedforward_layernorm folded, GeGLU-tanh
 
   * every RMSNorm scales by 1 + weight (zero_centered_gamma in coda.nn);
   * the sandwich norms (post_attention_layernorm, post_feedforward_layernorm) normalize a
     GEMM's output before the residual add: a norm over the whole row of the output, so
-    they run in torch (Hugging Face's own modules) after the GEMM, and no statistics are
-    chained from one GEMM to the next norm;
+    they run after the GEMM, each with its residual add in one pass over the rows
+    (ops.rmsnorm_residual, the modules' weights), and no statistics are chained from one
+    GEMM to the next norm;
   * local (sliding-window) and global layers rotate with their own RoPE frequencies
     (config.rope_parameters per layer type);
   * the embedding is scaled by sqrt(hidden_size) (its own module does it) and the logits
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..nn import RMSNormQKVRoPE, SwiGLUMLP
+from ..nn import RMSNormQKVRoPE, SwiGLUMLP, norm_eps
 from . import llama
 from .llama import DecoderLayer, QKNormRoPE, SelfAttention
 
@@ -60,8 +61,13 @@ class GemmaDecoderLayer(DecoderLayer):
                 mask: Optional[torch.Tensor] = None, cache=None):
         attn = self.self_attn
         a = attn.attention(h, positions, None, mask, cache)
-        h = h + self.post_attn_norm(ops.linear(a, attn.o_proj.weight, attn.o_proj.bias))
-        return h + self.post_ffn_norm(self.mlp(h)), None
+        h = self._post_norm(self.post_attn_norm, ops.linear(a, attn.o_proj.weight, attn.o_proj.bias), h)
+        return self._post_norm(self.post_ffn_norm, self.mlp(h), h), None
+
+    @staticmethod
+    def _post_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + norm(x): Gemma's (1 + w) RMSNorm and the add in one pass (rmsnorm_residual)."""
+        return ops.rmsnorm_residual(x, norm.weight, residual, norm_eps(norm), zero_centered=True)
 
 
 def _inv_freq(config, layer_type: str, head_dim: int) -> torch.Tensor:

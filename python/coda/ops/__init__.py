@@ -11,7 +11,8 @@ from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, inter
 from .linear import linear, linear_reference, mlp, mlp_reference
 from .loss import linear_cross_entropy, linear_cross_entropy_reference
 from .norm import (FoldedWeight, fold_norm_weight, layernorm_linear, linear_residual, norm_linear_reference,
-                   norm_mlp, norm_mlp_reference, normalize_reference, rmsnorm_linear, row_stats)
+                   norm_mlp, norm_mlp_reference, normalize_reference, rmsnorm_linear, rmsnorm_residual,
+                   rmsnorm_residual_reference, row_stats)
 from .rope import (head_norm_rope, head_norm_rope_reference, rmsnorm_linear_rope, rmsnorm_linear_rope_reference,
                    rope_frequencies, rope_permute_qk, rope_unpermute_qk)
 
@@ -21,4 +22,4 @@ __all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "l
            "norm_glu_mlp_reference", "interleave_gate_up", "split_gate_up", "concatenated_to_interleaved",
            "interleaved_to_concatenated", "rmsnorm_linear_rope", "rmsnorm_linear_rope_reference", "rope_frequencies",
            "rope_permute_qk", "rope_unpermute_qk", "head_norm_rope", "head_norm_rope_reference", "linear_cross_entropy", "linear_cross_entropy_reference",
-           "check_activation", "check_normalization"]
+           "check_activation", "check_normalization", "rmsnorm_residual", "rmsnorm_residual_reference"]

@@ -32,7 +32,7 @@ from ._common import autocast, rows
 from .linear import linear_reference, mlp_reference
 
 __all__ = ["layernorm_linear", "rmsnorm_linear", "norm_mlp", "linear_residual", "row_stats", "fold_norm_weight",
-           "FoldedWeight"]
+           "FoldedWeight", "rmsnorm_residual", "rmsnorm_residual_reference"]
 
 
 class FoldedWeight(NamedTuple):
@@ -106,6 +106,15 @@ if _kernels.available():
     @torch.library.register_fake("coda::linear_residual")
     def _(x, weight, bias, residual, layernorm, eps):
         return x.new_empty(*x.shape[:-1], weight.shape[0]), _stats_fake(x, math.prod(x.shape[:-1]))
+
+    @torch.library.register_fake("coda::rmsnorm_residual")
+    def _(x, weight, residual, eps, zero_centered):
+        return x.new_empty(x.shape), _f32(x, math.prod(x.shape[:-1]))
+
+    @torch.library.register_fake("coda::rmsnorm_residual_backward")
+    def _(dy, x, weight, rstd, zero_centered, needs):
+        return x.new_empty(x.shape) if needs[0] else x.new_empty(0), \
+            weight.new_empty(weight.shape) if needs[1] else x.new_empty(0)
 
 
 # ---- statistics: (2, rows) inside, (..., 2) outside
@@ -365,3 +374,37 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual:
         return y, _to_user(_row_stats_reference(rows(y), layernorm, eps), out_shape[:-1])
     y, st = torch.ops.coda.linear_residual.default(x, weight, bias, residual, layernorm, eps)
     return y, _to_user(st, out_shape[:-1])
+
+
+# ---- Gemma's sandwich norms: residual + RMSNorm(x), the norm on a GEMM's output before the residual add
+
+def rmsnorm_residual_reference(x: Tensor, weight: Tensor, residual: Tensor, eps: float,
+                               zero_centered: bool = False) -> Tensor:
+    """residual + RMSNorm(x)·γ unfused, as Hugging Face's Gemma RMSNorm computes it: in float32, γ = 1 + weight
+    where zero_centered (else weight), the norm rounded to x's dtype, then the residual added."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # a float64 reference stays float64
+    xf, wf = x.to(wide), weight.to(wide)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return residual + (normed * ((1.0 + wf) if zero_centered else wf)).type_as(x)
+
+
+def rmsnorm_residual(x: Tensor, weight: Tensor, residual: Tensor, eps: float, zero_centered: bool = False) -> Tensor:
+    """residual + RMSNorm(x)·γ in one pass over the rows, forward and backward: Gemma's sandwich norms
+    (post_attention_layernorm, post_feedforward_layernorm) between a GEMM's output x and the residual add.
+
+    x, residual: (..., D); weight: (D,), γ = 1 + weight where zero_centered (Gemma's), in float32; eps:
+    the norm's. Kernels: bf16 / fp16 CUDA tensors, D a multiple of 8; anything else runs
+    rmsnorm_residual_reference. Returns (..., D).
+    """
+    op = "rmsnorm_residual"
+    _checks.x_input(x, op)
+    _checks.vector("weight", weight, x.shape[-1], op, " (features of x)")
+    if weight is None:
+        raise ValueError(f"coda.{op}: weight must be given")
+    _checks.matrix_like("residual", residual, tuple(x.shape), op)
+    for name, t in (("weight", weight), ("residual", residual)):
+        if t.device != x.device:
+            raise ValueError(f"coda.{op}: {name} is on {t.device}, expected {x.device} (the device of x)")
+    if residual.dtype != x.dtype or not _kernels.use_kernels(op, x, _kernels.BF16_FP16, (x.shape[-1],)):
+        return rmsnorm_residual_reference(x, weight, residual, eps, zero_centered)
+    return torch.ops.coda.rmsnorm_residual.default(x, weight, residual, float(eps), bool(zero_centered))[0]
