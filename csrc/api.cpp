@@ -558,6 +558,44 @@ Status check_heads(const char* op, int64_t m, int64_t heads, int64_t head_dim) {
 }
 }  // namespace
 
+Status dropout_residual(DType dtype, const DropoutResidualArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "dropout_residual: sizes must be positive");
+  if (!(a.keep > 0.f && a.keep <= 1.f)) {
+    return detail::fail(Status::kInvalidArgument, "dropout_residual: keep must be in (0, 1], got " +
+                                                  std::to_string(a.keep));
+  }
+  if ((a.rng.seed_ptr == nullptr) != (a.rng.offset_ptr == nullptr)) {
+    return detail::fail(Status::kInvalidArgument, "dropout_residual: rng.seed_ptr and rng.offset_ptr go together");
+  }
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("residual", a.residual, a.ld_residual, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("y", a.y, a.ldy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("rng_state", a.rng_state, true));
+  CODA_RETURN_IF_ERROR(check_vector("mean", a.mean, false));
+  CODA_RETURN_IF_ERROR(check_vector("rstd", a.rstd, false));
+  if (a.mean != nullptr && a.rstd == nullptr) {
+    return detail::fail(Status::kInvalidArgument, "dropout_residual: mean is written only with rstd");
+  }
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::dropout_residual(dtype, a, stream);
+}
+
+Status dropout_backward(DType dtype, const DropoutBackwardArgs& a, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "dropout_backward: sizes must be positive");
+  if (!(a.keep > 0.f && a.keep <= 1.f)) {
+    return detail::fail(Status::kInvalidArgument, "dropout_backward: keep must be in (0, 1], got " +
+                                                  std::to_string(a.keep));
+  }
+  CODA_RETURN_IF_ERROR(check_matrix("dy", a.dy, a.lddy, a.n, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dx", a.dx, a.lddx, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("rng_state", a.rng_state, true));
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return kernels::dropout_backward(dtype, a, stream);
+}
+
 Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& a, cudaStream_t stream) {
   CODA_RETURN_IF_ERROR(check_dtype(dtype));
   if (a.m < 0 || a.n <= 0) return detail::fail(Status::kInvalidArgument, "rmsnorm_residual: sizes must be positive");

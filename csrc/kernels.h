@@ -284,6 +284,10 @@ size_t norm_row_dots_scratch_bytes(const NormRowDotsArgs& a);
 
 // The body of the public coda::rope_backward (csrc/rope_kernels.cu).
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream);
+// The bodies of the public coda::dropout_residual and dropout_backward (csrc/dropout_kernels.cu).
+Status dropout_residual(DType dtype, const DropoutResidualArgs& a, cudaStream_t stream);
+Status dropout_backward(DType dtype, const DropoutBackwardArgs& a, cudaStream_t stream);
+
 // The bodies of the public coda::rmsnorm_residual, its backward and
 // rmsnorm_residual_partials (csrc/norm_kernels.cu).
 Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& a, cudaStream_t stream);

@@ -474,15 +474,24 @@ def test_gpt2_dropout_is_hugging_faces():
     assert rel_err(model(ids, labels=ids).loss, plain(ids, labels=ids).loss) <= TOL
 
 
-def test_gpt2_dropout_rate():
-    # the residual dropout zeroes each element with probability p and scales the rest by 1/(1-p)
+def test_gpt2_dropout_rate(monkeypatch):
+    # the residual dropout (ops.dropout_residual, at the modules' p) zeroes each element with
+    # probability p and scales the rest by 1/(1-p)
     plain = transformers.GPT2LMHeadModel(gpt2_config(resid_pdrop=0.25)).train()
     model = coda.patch(plain)
     seen = []
-    hook = model.transformer.h[0].mlp.dropout.register_forward_hook(lambda m, i, o: seen.append((i[0], o)))
+    original = coda.ops.dropout_residual
+
+    def spy(x, residual, p, *args, **kwargs):
+        out = original(x, residual, p, *args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        seen.append((x, y - residual, p))
+        return out
+
+    monkeypatch.setattr(coda.ops, "dropout_residual", spy)
     model(tokens(8, 64), labels=tokens(8, 64))
-    hook.remove()
-    x, y = seen[0]
+    assert len(seen) == 2 * len(model.transformer.h) and all(p == 0.25 for _, _, p in seen)
+    x, y, _ = seen[1]  # the first block's MLP dropout
     dropped = (y == 0) & (x != 0)
     n = x.numel()
     p = dropped.float().mean().item()

@@ -284,6 +284,49 @@ struct RopeBackwardArgs {
   float* c1 = nullptr;               // (m) out, or null
 };
 
+// A dropout draw's seed and offset (Philox4x32-10, csrc/philox.cuh): values, or,
+// under CUDA-graph capture, where torch's generator keeps them in device memory
+// (at::PhiloxCudaState), so that each replay draws anew.
+struct DropoutRng {
+  uint64_t seed = 0, offset = 0;
+  const int64_t* seed_ptr = nullptr;     // non-null: read *seed_ptr and *offset_ptr + offset_intragraph
+  const int64_t* offset_ptr = nullptr;
+  uint64_t offset_intragraph = 0;
+};
+
+// GPT-2's residual dropout: Y = R + mask ⊙ X / keep, mask[i, j] = 1 with
+// probability keep (a function of the draw and the element i·n + j, so the
+// backward regenerates it), and optionally the next norm's row statistics of
+// Y as stored (mean null: RMSNorm). The draw's (seed, offset) are written to
+// rng_state (2 int64, device) for the backward.
+struct DropoutResidualArgs {
+  int64_t m = 0, n = 0;
+  const void* x = nullptr;           // (m, n)
+  int64_t ldx = 0;
+  const void* residual = nullptr;    // (m, n)
+  int64_t ld_residual = 0;
+  float keep = 1.f;                  // 1 − p, in (0, 1]
+  DropoutRng rng;
+  int64_t* rng_state = nullptr;      // (2) out
+  void* y = nullptr;                 // (m, n) out
+  int64_t ldy = 0;
+  float eps = 1e-5f;
+  float* mean = nullptr;             // (m) out, or null (RMSNorm)
+  float* rstd = nullptr;             // (m) out, or null (no statistics)
+};
+
+// Its backward for X: dX = mask ⊙ dY / keep, the mask regenerated from the
+// forward's rng_state (the residual's gradient is dY itself).
+struct DropoutBackwardArgs {
+  int64_t m = 0, n = 0;
+  const void* dy = nullptr;          // (m, n)
+  int64_t lddy = 0;
+  float keep = 1.f;
+  const int64_t* rng_state = nullptr;  // (2) the forward's
+  void* dx = nullptr;                // (m, n) out
+  int64_t lddx = 0;
+};
+
 // Gemma's sandwich norms: Y = R + γ ⊙ X·rstd, rstd = rsqrt(mean(X²) + eps)
 // per row, an RMSNorm of a GEMM's output before the residual add (γ = 1 +
 // weight where zero_centered, in fp32). rstd (m) is written for the backward.
@@ -412,6 +455,8 @@ Status glu_dgrad(DType dtype, const GluDgradArgs& args, void* workspace, size_t 
 Status norm_rope_linear(DType dtype, const NormRopeArgs& args, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 Status rope_backward(DType dtype, const RopeBackwardArgs& args, cudaStream_t stream);
+Status dropout_residual(DType dtype, const DropoutResidualArgs& args, cudaStream_t stream);
+Status dropout_backward(DType dtype, const DropoutBackwardArgs& args, cudaStream_t stream);
 Status rmsnorm_residual(DType dtype, const RmsNormResidualArgs& args, cudaStream_t stream);
 Status rmsnorm_residual_backward(DType dtype, const RmsNormResidualBackwardArgs& args, cudaStream_t stream);
 // The rows of rmsnorm_residual_backward's dweight_partials for m rows.

@@ -20,10 +20,13 @@ weight is kept in both layouts. Biases, norms and embeddings are the model's own
 
 Dropout: the embedding dropout and the attention-probability dropout run (the latter
 inside SDPA). The residual dropout (resid_pdrop, 0.1 in GPT-2's config) sits between
-a GEMM and the residual add that its epilogue does: while it is on in training, the
-two adds of each block run in torch after the GEMMs (the norm folds, biases and GELU
-stay fused), with the unpatched block's draws from the global RNG, so a seed gives
-Hugging Face's masks. In eval mode dropout never runs and the blocks are chains.
+a GEMM and the residual add that its epilogue does: while it is on in training, c_proj
+and fc2 write their outputs and one pass each (ops.dropout_residual) draws the mask,
+adds the residual and reduces the next LayerNorm's statistics; the backward regenerates
+the mask (coda's Philox draw from torch's CUDA generator: a seed fixes it, but it is not
+nn.Dropout's). On the CPU path the draws are nn.Dropout's, in the unpatched block's
+order, so a seed gives Hugging Face's masks. In eval mode dropout never runs and the
+blocks are chains.
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def _block(block, h, stats, mask, activation: str, want_stats: bool, cache=None)
     q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.split(attn.split_size, -1))
     a = attend(q, k, v, attn.scaling, mask, attn.attn_dropout.p if training else 0.0, cache, attn.layer_idx)
     if training and (attn.resid_dropout.p > 0 or mlp.dropout.p > 0):
-        return _block_with_dropout(block, h, a, activation)
+        return _block_with_dropout(block, h, a, activation, want_stats)
     h, stats = ops.linear_residual(a, attn.c_proj.weight, attn.c_proj.bias, h, "LayerNorm", ln_2.eps)
     out = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight,
                        mlp.c_proj.bias, "LayerNorm", ln_2.eps, activation, residual=h, stats=stats,
@@ -171,16 +174,20 @@ def _block(block, h, stats, mask, activation: str, want_stats: bool, cache=None)
     return out if want_stats else (out, None)
 
 
-def _block_with_dropout(block, h, a, activation: str):
+def _block_with_dropout(block, h, a, activation: str, want_stats: bool):
     """The rest of a training block whose residual dropout is on: dropout sits between
-    each GEMM and the residual add its epilogue would do, so the two adds run in torch
-    (the norm folds and the GELU stay in the GEMMs), drawing from the global RNG in the
-    unpatched block's order; ln_2 and the next ln_1 reduce their own statistics."""
+    each GEMM and the residual add its epilogue would do, so each GEMM writes its output
+    and one pass (dropout_residual) draws the mask, adds the residual and reduces the next
+    LayerNorm's statistics (ln_2's, then the next block's ln_1's). On the reference path the
+    draws are nn.Dropout's, from the global RNG in the unpatched block's order."""
     attn, mlp, ln_2 = block.attn, block.mlp, block.ln_2
-    h = h + attn.resid_dropout(ops.linear(a, attn.c_proj.weight, attn.c_proj.bias))
+    h, stats = ops.dropout_residual(ops.linear(a, attn.c_proj.weight, attn.c_proj.bias), h, attn.resid_dropout.p,
+                                    "LayerNorm", ln_2.eps)
     m = ops.norm_mlp(h, ln_2.weight, ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias,
-                     "LayerNorm", ln_2.eps, activation)
-    return h + mlp.dropout(m), None
+                     "LayerNorm", ln_2.eps, activation, stats=stats)
+    if want_stats:
+        return ops.dropout_residual(m, h, mlp.dropout.p, "LayerNorm", ln_2.eps)
+    return ops.dropout_residual(m, h, mlp.dropout.p), None
 
 
 def _run(tr, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, cache, want_hidden: bool,

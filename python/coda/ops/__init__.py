@@ -6,6 +6,7 @@ nn.Linear's (out, in) layout."""
 
 from ._checks import check_activation
 from ._checks import layernorm as check_normalization
+from .dropout import dropout_residual, dropout_residual_reference
 from .glu import (concatenated_to_interleaved, glu_mlp, glu_mlp_reference, interleave_gate_up,
                   interleaved_to_concatenated, norm_glu_mlp, norm_glu_mlp_reference, split_gate_up)
 from .linear import linear, linear_reference, mlp, mlp_reference
@@ -22,4 +23,5 @@ __all__ = ["linear", "mlp", "layernorm_linear", "rmsnorm_linear", "norm_mlp", "l
            "norm_glu_mlp_reference", "interleave_gate_up", "split_gate_up", "concatenated_to_interleaved",
            "interleaved_to_concatenated", "rmsnorm_linear_rope", "rmsnorm_linear_rope_reference", "rope_frequencies",
            "rope_permute_qk", "rope_unpermute_qk", "head_norm_rope", "head_norm_rope_reference", "linear_cross_entropy", "linear_cross_entropy_reference",
-           "check_activation", "check_normalization", "rmsnorm_residual", "rmsnorm_residual_reference"]
+           "check_activation", "check_normalization", "rmsnorm_residual", "rmsnorm_residual_reference",
+           "dropout_residual", "dropout_residual_reference"]
