@@ -19,7 +19,8 @@
 # SCRIPTS="variants.py --variant raster=2;max_autotune.py" runs those benchmarks/
 # scripts, each with --out OUT_DIR, after the benchmarks in every mode.
 # (no mode): tests, C++ example, coda.bench, its fused_gemm and generate sections (KERNEL_SECTIONS="" leaves
-#   them out, KERNEL_BENCH_ARGS adds to them), then benchmarks/sweep.py (SWIZZLES,
+#   them out, KERNEL_BENCH_ARGS adds to them), the small GPT-2 with CUDA graphs (GRAPHS_BENCH=0 leaves it
+#   out), then benchmarks/sweep.py (SWIZZLES,
 #   SWEEP_ARGS, SWEEP_SHAPES="tokens:d:ffn ..."); --quick leaves the sweep out.
 # --sweep: the tests (SWEEP_TESTS=0 leaves them out), again under each override in
 #   CODA_TEST_TUNING="config,raster,swizzle ..." before anything is timed, the per-kernel
@@ -111,6 +112,16 @@ run_kernel_bench() {
       ${KERNEL_BENCH_ARGS:-} > "$OUT/$section.log" 2>&1 || status=1
     grep -E "^  (fused_gemm|generate)_" "$OUT/$section.log" || tail -30 "$OUT/$section.log"
   done
+}
+
+# The main job's graphed row (issue 40): the small GPT-2, where the host bounds a step, with and without
+# CUDA graphs (torch.compile mode="reduce-overhead"), unpatched and patched; GRAPHS_BENCH=0 leaves it out.
+run_graphs_bench() {
+  [ "${GRAPHS_BENCH:-1}" != 0 ] || return 0
+  step "coda.bench --models gpt2small, CUDA graphs"
+  timeout -k 10 "${GRAPHS_TIMEOUT:-420}" python3 -m coda.bench --models gpt2small \
+    --impls hf,compile,coda,compile_graphs,coda_graphs --out "$OUT" > "$OUT/graphs.log" 2>&1 || status=1
+  sed -n '/^model /,$p' "$OUT/graphs.log" | grep . || tail -20 "$OUT/graphs.log"
 }
 
 # The benchmarks/ scripts in SCRIPTS, each with --out OUT, logged to <script>.log.
@@ -239,6 +250,7 @@ cmake --build "$CODA_BUILD_DIR" --target coda > "$OUT/cpp.log" 2>&1 &&
 
 run_bench
 run_kernel_bench
+run_graphs_bench
 run_scripts
 [ "$MODE" != "--quick" ] && run_sweep
 finish
