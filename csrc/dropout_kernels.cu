@@ -19,14 +19,13 @@
 #include "half_types.cuh"
 #include "kernels.h"
 #include "philox.cuh"
+#include "small_kernels.cuh"
 
 namespace coda::kernels {
 namespace {
 
 template <class T>
-struct alignas(16) Vec8 {
-  T v[8];
-};
+using Vec8 = Chunk<T, 8>;  // one 16-byte access
 
 constexpr int kRowsPerBlock = 4;
 constexpr int64_t kWarpStride = 32 * 8;
@@ -111,19 +110,7 @@ __global__ void dropout_backward_kernel(int64_t m, int64_t n, const T* __restric
   }
 }
 
-Status launched(const char* what) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string(what) + " launch: " + cudaGetErrorString(e));
-  return Status::kSuccess;
-}
-
 unsigned capped(int64_t blocks) { return static_cast<unsigned>(blocks < (1 << 30) ? (blocks > 0 ? blocks : 1) : (1 << 30)); }
-
-template <class Fn>
-Status with_type(DType dtype, Fn&& fn) {
-  if (dtype == DType::kBFloat16) return fn(__nv_bfloat16{});
-  return fn(__half{});
-}
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
+#include "small_kernels.cuh"
 
 namespace coda::kernels {
 namespace {
@@ -24,12 +25,6 @@ struct alignas(16) Vec8 {
 };
 
 constexpr int kThreads = 256;
-
-Status launched(const char* what) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string(what) + " launch: " + cudaGetErrorString(e));
-  return Status::kSuccess;
-}
 
 unsigned blocks_for(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
@@ -380,12 +375,6 @@ __global__ void rmsnorm_residual_backward_kernel(int64_t m, int64_t n, const T* 
     __syncthreads();
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) partials[int64_t(blockIdx.x) * n + j] = dgamma[j];
   }
-}
-
-template <class Fn>
-Status with_type(DType dtype, Fn&& fn) {
-  if (dtype == DType::kBFloat16) return fn(__nv_bfloat16{});
-  return fn(__half{});
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
+#include "small_kernels.cuh"
 #include "rope_angle.hpp"
 
 namespace coda::kernels {
@@ -93,12 +94,6 @@ __global__ void __launch_bounds__(kThreads) rope_backward_kernel(
       if (threadIdx.x == 0) c1[r] = scale * acc;
     }
   }
-}
-
-Status launched(const char* what) {
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return detail::fail(Status::kCudaError, std::string(what) + " launch: " + cudaGetErrorString(e));
-  return Status::kSuccess;
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
