@@ -200,7 +200,7 @@ size_t gemm_workspace(DType dtype, const Operands& o, const kernels::Epilogue<P>
   return kernels::workspace_size<P>(dtype, c.config, problem(c, o, nullptr, 0, nullptr), e);
 }
 
-// ---- the arguments of each program, from the public structs
+// ---- each program's GEMM operands, from its public struct (its Steps read the rest)
 
 Operands operands(const LinearArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy}; }
 Operands operands(const DgradArgs& a) { return {a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx}; }
@@ -209,62 +209,12 @@ Operands operands(const NormLinearArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, 
 Operands operands(const LinearResidualArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy}; }
 Operands operands(const NormDgradArgs& a) { return {a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dx, a.lddx}; }
 
-kernels::LinearActEpilogue epilogue(const LinearArgs& a) {
-  return {a.bias, a.pre_act, a.ld_pre_act, static_cast<int>(a.activation), a.residual, a.ld_residual};
-}
-
-bool has_row_dots(const DgradArgs& a) { return a.norm_c1 != nullptr; }
-
-kernels::DActDBiasEpilogue dact_epilogue(const DgradArgs& a) {
-  return {a.pre_act, a.ld_pre_act, static_cast<int>(a.activation), a.dbias};
-}
-
-kernels::DActRowDotEpilogue rowdot_epilogue(const DgradArgs& a) {
-  return {a.pre_act, a.ld_pre_act, static_cast<int>(a.activation), a.dbias, a.norm_shift, a.norm_col_sum,
-          a.norm_scale, a.norm_c1, a.norm_c2};
-}
-
-// The row stats' rstd at which a row's variance is below 2⁻¹⁹·eps.
-float rstd_limit(float eps) {
-  return eps > 0.f ? float((1.0 - std::ldexp(1.0, -20)) / std::sqrt(double(eps))) : __builtin_huge_valf();
-}
-
-kernels::NormLinearEpilogue epilogue(const NormLinearArgs& a) {
-  kernels::NormLinearEpilogue e;
-  e.mean = a.mean;
-  e.rstd = a.rstd;
-  e.rstd_limit = a.mean != nullptr ? rstd_limit(a.eps) : __builtin_huge_valf();
-  e.col_sum = a.col_sum;
-  e.shift = a.shift;
-  e.pre_act = a.pre_act;
-  e.ld_pre_act = a.ld_pre_act;
-  e.activation = static_cast<int>(a.activation);
-  return e;
-}
-
-kernels::LinearResidualStatsEpilogue epilogue(const LinearResidualArgs& a) {
-  return {a.bias, a.residual, a.ld_residual, a.layernorm, a.eps, a.mean, a.rstd};
-}
-
 Operands operands(const NormGluArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.h, a.ldh}; }
 // D is (M, F) 32-bit lanes of the (M, 2F) dH.
 Operands operands(const GluDgradArgs& a) { return {a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dh, a.lddh / 2}; }
 Operands operands(const NormRopeArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy}; }
 
-kernels::NormGluEpilogue epilogue(const NormGluArgs& a) {
-  return {a.rstd, a.a, a.lda, static_cast<int>(a.activation)};
-}
-
-kernels::GluDgradEpilogue epilogue(const GluDgradArgs& a) {
-  return {a.h, a.ldh, static_cast<int>(a.activation), a.norm_scale, a.norm_c1};
-}
-
-kernels::NormRopeEpilogue epilogue(const NormRopeArgs& a) { return {a.rstd, a.shift, a.positions, a.freq}; }
-
-kernels::NormDgradEpilogue epilogue(const NormDgradArgs& a) {
-  return {a.x, a.ldx, a.mean, a.rstd, a.gamma, a.beta, a.c1, a.c2, a.residual_grad, a.ld_residual_grad,
-          a.normalized, a.ld_normalized, a.dgamma, a.dbeta};
-}
+bool has_row_dots(const DgradArgs& a) { return a.norm_c1 != nullptr; }
 
 }  // namespace
 
@@ -282,11 +232,11 @@ Status linear(DType dtype, const LinearArgs& a, void* workspace, size_t workspac
   CODA_RETURN_IF_ERROR(check_vector("bias", a.bias, false));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kLinearAct>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kLinearAct>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& a) {
-  return gemm_workspace<Program::kLinearAct>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kLinearAct>(dtype, operands(a), a);
 }
 
 Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -310,14 +260,14 @@ Status dgrad(DType dtype, const DgradArgs& a, void* workspace, size_t workspace_
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return memset_async(a.dbias, size_t(a.n) * 2, stream);
   if (has_row_dots(a)) {
-    return gemm<Program::kDActRowDot>(dtype, operands(a), rowdot_epilogue(a), workspace, workspace_bytes, stream);
+    return gemm<Program::kDActRowDot>(dtype, operands(a), a, workspace, workspace_bytes, stream);
   }
-  return gemm<Program::kDActDBias>(dtype, operands(a), dact_epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kDActDBias>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t dgrad_workspace_size(DType dtype, const DgradArgs& a) {
-  if (has_row_dots(a)) return gemm_workspace<Program::kDActRowDot>(dtype, operands(a), rowdot_epilogue(a));
-  return gemm_workspace<Program::kDActDBias>(dtype, operands(a), dact_epilogue(a));
+  if (has_row_dots(a)) return gemm_workspace<Program::kDActRowDot>(dtype, operands(a), a);
+  return gemm_workspace<Program::kDActDBias>(dtype, operands(a), a);
 }
 
 Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -331,11 +281,11 @@ Status wgrad(DType dtype, const WgradArgs& a, void* workspace, size_t workspace_
     cudaError_t e = cudaMemset2DAsync(a.dw, a.lddw * 2, 0, a.n * 2, a.m, stream);
     return e == cudaSuccess ? Status::kSuccess : detail::fail(Status::kCudaError, cudaGetErrorString(e));
   }
-  return gemm<Program::kWgradStore>(dtype, operands(a), {}, workspace, workspace_bytes, stream);
+  return gemm<Program::kWgradStore>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t wgrad_workspace_size(DType dtype, const WgradArgs& a) {
-  return gemm_workspace<Program::kWgradStore>(dtype, operands(a), {});
+  return gemm_workspace<Program::kWgradStore>(dtype, operands(a), a);
 }
 
 // ---- norms folded into GEMMs
@@ -377,11 +327,11 @@ Status norm_linear(DType dtype, const NormLinearArgs& a, void* workspace, size_t
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_linear"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kNormLinearAct>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kNormLinearAct>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& a) {
-  return gemm_workspace<Program::kNormLinearAct>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kNormLinearAct>(dtype, operands(a), a);
 }
 
 Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace, size_t workspace_bytes,
@@ -397,11 +347,11 @@ Status linear_residual(DType dtype, const LinearResidualArgs& a, void* workspace
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "linear_residual"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kLinearResidualStats>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kLinearResidualStats>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t linear_residual_workspace_size(DType dtype, const LinearResidualArgs& a) {
-  return gemm_workspace<Program::kLinearResidualStats>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kLinearResidualStats>(dtype, operands(a), a);
 }
 
 Status norm_row_dots(DType dtype, const NormRowDotsArgs& a, void* workspace, size_t workspace_bytes,
@@ -459,11 +409,11 @@ Status norm_dgrad(DType dtype, const NormDgradArgs& a, void* workspace, size_t w
     CODA_RETURN_IF_ERROR(memset_async(a.dgamma, size_t(a.n) * 2, stream));
     return memset_async(a.dbeta, size_t(a.n) * 2, stream);
   }
-  return gemm<Program::kNormDgrad>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kNormDgrad>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t norm_dgrad_workspace_size(DType dtype, const NormDgradArgs& a) {
-  return gemm_workspace<Program::kNormDgrad>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kNormDgrad>(dtype, operands(a), a);
 }
 
 // ---- the LLaMA path
@@ -485,11 +435,11 @@ Status norm_glu_linear(DType dtype, const NormGluArgs& a, void* workspace, size_
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_glu_linear"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kNormGluLinear>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kNormGluLinear>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t norm_glu_linear_workspace_size(DType dtype, const NormGluArgs& a) {
-  return gemm_workspace<Program::kNormGluLinear>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kNormGluLinear>(dtype, operands(a), a);
 }
 
 Status glu_dgrad(DType dtype, const GluDgradArgs& a, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -503,11 +453,11 @@ Status glu_dgrad(DType dtype, const GluDgradArgs& a, void* workspace, size_t wor
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "glu_dgrad"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kGluDgradRowDot>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kGluDgradRowDot>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t glu_dgrad_workspace_size(DType dtype, const GluDgradArgs& a) {
-  return gemm_workspace<Program::kGluDgradRowDot>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kGluDgradRowDot>(dtype, operands(a), a);
 }
 
 Status norm_rope_linear(DType dtype, const NormRopeArgs& a, void* workspace, size_t workspace_bytes,
@@ -524,11 +474,11 @@ Status norm_rope_linear(DType dtype, const NormRopeArgs& a, void* workspace, siz
   CODA_RETURN_IF_ERROR(check_bf16(dtype, "norm_rope_linear"));
   CODA_RETURN_IF_ERROR(check_device());
   if (a.m == 0) return Status::kSuccess;
-  return gemm<Program::kNormRopeLinear>(dtype, operands(a), epilogue(a), workspace, workspace_bytes, stream);
+  return gemm<Program::kNormRopeLinear>(dtype, operands(a), a, workspace, workspace_bytes, stream);
 }
 
 size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& a) {
-  return gemm_workspace<Program::kNormRopeLinear>(dtype, operands(a), epilogue(a));
+  return gemm_workspace<Program::kNormRopeLinear>(dtype, operands(a), a);
 }
 
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream) {

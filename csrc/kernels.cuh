@@ -4,6 +4,8 @@
 // kernels/table.def) include this, each instantiating one kernel.
 #pragma once
 
+#include <cmath>
+
 #include "dact_dbias.hpp"
 #include "dact_dbias_rowdot.hpp"
 #include "gemm.cuh"
@@ -52,7 +54,19 @@ class Scratch {
   size_t used_ = 0;
 };
 
-// Per program: arguments(...) converts its epilogue's arguments, scratch(...)
+// The public enum and the epilogues' share their values (coda.h).
+inline epilogues::ActivationKind activation_kind(Activation a) {
+  return static_cast<epilogues::ActivationKind>(static_cast<int>(a));
+}
+
+// The row stats' rstd at which a row's variance is below 2⁻¹⁹·eps: the rows a
+// folded LayerNorm treats as constant (norm_ops.hpp).
+inline float constant_row_rstd(float eps) {
+  return eps > 0.f ? float((1.0 - std::ldexp(1.0, -20)) / std::sqrt(double(eps))) : __builtin_huge_valf();
+}
+
+// Per program, from the public arguments of its C++ function (coda.h):
+// arguments(...) converts them to its epilogue's, scratch(...)
 // lays out the fp32 partials of its reductions (and points the arguments at
 // them; a null base only counts the bytes), finish(...) merges them after the
 // GEMM.
@@ -64,27 +78,27 @@ struct Steps<Program::kLinearAct, T, C> {
   using G = typename ProgramGemm<Program::kLinearAct>::template type<T, C>;
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
-  static size_t scratch(const GemmProblem&, const LinearActEpilogue&, char*, Args*) { return 0; }
-  static Args arguments(const LinearActEpilogue& e) {
+  static size_t scratch(const GemmProblem&, const LinearArgs&, char*, Args*) { return 0; }
+  static Args arguments(const LinearArgs& e) {
     Args a;
     a.bias = static_cast<E const*>(e.bias);
     a.pre_act = static_cast<E*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.activation = activation_kind(e.activation);
     a.residual = static_cast<E const*>(e.residual);
     a.ld_residual = e.ld_residual;
     return a;
   }
-  static Status finish(const GemmProblem&, const LinearActEpilogue&, const Args&) { return Status::kSuccess; }
+  static Status finish(const GemmProblem&, const LinearArgs&, const Args&) { return Status::kSuccess; }
 };
 
 template <DType T, Config C>
 struct Steps<Program::kWgradStore, T, C> {
   using G = typename ProgramGemm<Program::kWgradStore>::template type<T, C>;
   using Args = typename G::EpilogueProgram::Arguments;
-  static size_t scratch(const GemmProblem&, const StoreEpilogue&, char*, Args*) { return 0; }
-  static Args arguments(const StoreEpilogue&) { return {}; }
-  static Status finish(const GemmProblem&, const StoreEpilogue&, const Args&) { return Status::kSuccess; }
+  static size_t scratch(const GemmProblem&, const WgradArgs&, char*, Args*) { return 0; }
+  static Args arguments(const WgradArgs&) { return {}; }
+  static Status finish(const GemmProblem&, const WgradArgs&, const Args&) { return Status::kSuccess; }
 };
 
 template <DType T, Config C>
@@ -93,20 +107,20 @@ struct Steps<Program::kDActDBias, T, C> {
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
   using Partial = typename G::EpilogueProgram::Partial;
-  static size_t scratch(const GemmProblem& p, const DActDBiasEpilogue& e, char* base, Args* a) {
+  static size_t scratch(const GemmProblem& p, const DgradArgs& e, char* base, Args* a) {
     Scratch s(base);
     float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbias != nullptr);
     if (a != nullptr) a->dbias_partials = db;
     return s.used();
   }
-  static Args arguments(const DActDBiasEpilogue& e) {
+  static Args arguments(const DgradArgs& e) {
     Args a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.activation = activation_kind(e.activation);
     return a;
   }
-  static Status finish(const GemmProblem& p, const DActDBiasEpilogue& e, const Args& a) {
+  static Status finish(const GemmProblem& p, const DgradArgs& e, const Args& a) {
     if (e.dbias == nullptr) return Status::kSuccess;
     PartialSums m;
     m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
@@ -120,20 +134,20 @@ struct Steps<Program::kNormLinearAct, T, C> {
   using G = typename ProgramGemm<Program::kNormLinearAct>::template type<T, C>;
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
-  static size_t scratch(const GemmProblem&, const NormLinearEpilogue&, char*, Args*) { return 0; }
-  static Args arguments(const NormLinearEpilogue& e) {
+  static size_t scratch(const GemmProblem&, const NormLinearArgs&, char*, Args*) { return 0; }
+  static Args arguments(const NormLinearArgs& e) {
     Args a;
     a.mean = e.mean;
     a.rstd = e.rstd;
-    a.rstd_limit = e.rstd_limit;
+    a.rstd_limit = e.mean != nullptr ? constant_row_rstd(e.eps) : __builtin_huge_valf();
     a.col_sum = e.col_sum;
     a.shift = e.shift;
     a.pre_act = static_cast<E*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.activation = activation_kind(e.activation);
     return a;
   }
-  static Status finish(const GemmProblem&, const NormLinearEpilogue&, const Args&) { return Status::kSuccess; }
+  static Status finish(const GemmProblem&, const NormLinearArgs&, const Args&) { return Status::kSuccess; }
 };
 
 // Σy and Σy² per row and N-tile, then mean / rstd.
@@ -143,7 +157,7 @@ struct Steps<Program::kLinearResidualStats, T, C> {
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
   using Partial = typename G::EpilogueProgram::Partial;
-  static size_t scratch(const GemmProblem& p, const LinearResidualStatsEpilogue& e, char* base, Args* a) {
+  static size_t scratch(const GemmProblem& p, const LinearResidualArgs& e, char* base, Args* a) {
     Scratch s(base);
     float* sum = s.take(Partial::per_row_floats(p.m, p.n), e.layernorm);
     float* sumsq = s.take(Partial::per_row_floats(p.m, p.n));
@@ -153,14 +167,14 @@ struct Steps<Program::kLinearResidualStats, T, C> {
     }
     return s.used();
   }
-  static Args arguments(const LinearResidualStatsEpilogue& e) {
+  static Args arguments(const LinearResidualArgs& e) {
     Args a;
     a.bias = static_cast<E const*>(e.bias);
     a.residual = static_cast<E const*>(e.residual);
     a.ld_residual = e.ld_residual;
     return a;
   }
-  static Status finish(const GemmProblem& p, const LinearResidualStatsEpilogue& e, const Args& a) {
+  static Status finish(const GemmProblem& p, const LinearResidualArgs& e, const Args& a) {
     return row_partials_stats(a.sum_partials, a.sumsq_partials, Partial::tiles_n(p.n), Partial::rows_padded(p.m), p.m,
                               p.n, e.eps, e.mean, e.rstd, p.stream);
   }
@@ -172,10 +186,10 @@ struct Steps<Program::kDActRowDot, T, C> {
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
   using Partial = typename G::EpilogueProgram::Partial;
-  static size_t scratch(const GemmProblem& p, const DActRowDotEpilogue& e, char* base, Args* a) {
+  static size_t scratch(const GemmProblem& p, const DgradArgs& e, char* base, Args* a) {
     Scratch s(base);
-    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.c1 != nullptr);
-    float* c2 = s.take(Partial::per_row_floats(p.m, p.n), e.c2 != nullptr);
+    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.norm_c1 != nullptr);
+    float* c2 = s.take(Partial::per_row_floats(p.m, p.n), e.norm_c2 != nullptr);
     float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbias != nullptr);
     if (a != nullptr) {
       a->c1_partials = c1;
@@ -184,20 +198,20 @@ struct Steps<Program::kDActRowDot, T, C> {
     }
     return s.used();
   }
-  static Args arguments(const DActRowDotEpilogue& e) {
+  static Args arguments(const DgradArgs& e) {
     Args a;
     a.pre_act = static_cast<E const*>(e.pre_act);
     a.ld_pre_act = e.ld_pre_act;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
-    a.shift = e.shift;
-    a.col_sum = e.col_sum;
+    a.activation = activation_kind(e.activation);
+    a.shift = e.norm_shift;
+    a.col_sum = e.norm_col_sum;
     return a;
   }
-  static Status finish(const GemmProblem& p, const DActRowDotEpilogue& e, const Args& a) {
+  static Status finish(const GemmProblem& p, const DgradArgs& e, const Args& a) {
     PartialSums m;
-    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.scale;
-    m.row_partials[0] = e.c1 != nullptr ? a.c1_partials : nullptr; m.row_out[0] = e.c1;
-    m.row_partials[1] = e.c2 != nullptr ? a.c2_partials : nullptr; m.row_out[1] = e.c2;
+    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.norm_scale;
+    m.row_partials[0] = e.norm_c1 != nullptr ? a.c1_partials : nullptr; m.row_out[0] = e.norm_c1;
+    m.row_partials[1] = e.norm_c2 != nullptr ? a.c2_partials : nullptr; m.row_out[1] = e.norm_c2;
     m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
     m.col_partials[0] = e.dbias != nullptr ? a.dbias_partials : nullptr; m.col_out[0] = e.dbias;
     return merge_partials(T, m, p.stream);
@@ -210,7 +224,7 @@ struct Steps<Program::kNormDgrad, T, C> {
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
   using Partial = typename G::EpilogueProgram::Partial;
-  static size_t scratch(const GemmProblem& p, const NormDgradEpilogue& e, char* base, Args* a) {
+  static size_t scratch(const GemmProblem& p, const NormDgradArgs& e, char* base, Args* a) {
     Scratch s(base);
     float* dg = s.take(Partial::per_col_floats(p.m, p.n), e.dgamma != nullptr);
     float* db = s.take(Partial::per_col_floats(p.m, p.n), e.dbeta != nullptr);
@@ -220,10 +234,10 @@ struct Steps<Program::kNormDgrad, T, C> {
     }
     return s.used();
   }
-  static Args arguments(const NormDgradEpilogue& e) {
+  static Args arguments(const NormDgradArgs& e) {
     Args a;
     a.x = static_cast<E const*>(e.x);
-    a.ld_x = e.ld_x;
+    a.ld_x = e.ldx;
     a.mean = e.mean;
     a.rstd = e.rstd;
     a.gamma = static_cast<E const*>(e.gamma);
@@ -236,7 +250,7 @@ struct Steps<Program::kNormDgrad, T, C> {
     a.ld_normalized = e.ld_normalized;
     return a;
   }
-  static Status finish(const GemmProblem& p, const NormDgradEpilogue& e, const Args& a) {
+  static Status finish(const GemmProblem& p, const NormDgradArgs& e, const Args& a) {
     PartialSums m;
     m.cols = p.n; m.col_tiles = Partial::tiles_m(p.m); m.col_ld = Partial::cols_padded(p.n);
     m.col_partials[0] = e.dgamma != nullptr ? a.dgamma_partials : nullptr; m.col_out[0] = e.dgamma;
@@ -250,16 +264,16 @@ struct Steps<Program::kNormGluLinear, T, C> {
   using G = typename ProgramGemm<Program::kNormGluLinear>::template type<T, C>;
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
-  static size_t scratch(const GemmProblem&, const NormGluEpilogue&, char*, Args*) { return 0; }
-  static Args arguments(const NormGluEpilogue& e) {
+  static size_t scratch(const GemmProblem&, const NormGluArgs&, char*, Args*) { return 0; }
+  static Args arguments(const NormGluArgs& e) {
     Args a;
     a.rstd = e.rstd;
-    a.act_out = static_cast<E*>(e.act_out);
-    a.ld_act_out = e.ld_act_out;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.act_out = static_cast<E*>(e.a);
+    a.ld_act_out = e.lda;
+    a.activation = activation_kind(e.activation);
     return a;
   }
-  static Status finish(const GemmProblem&, const NormGluEpilogue&, const Args&) { return Status::kSuccess; }
+  static Status finish(const GemmProblem&, const NormGluArgs&, const Args&) { return Status::kSuccess; }
 };
 
 // The c₁ partials per row and N-tile (N = F, one pair per column), merged to c₁.
@@ -269,24 +283,24 @@ struct Steps<Program::kGluDgradRowDot, T, C> {
   using E = typename G::Element;
   using Args = typename G::EpilogueProgram::Arguments;
   using Partial = typename G::EpilogueProgram::Partial;
-  static size_t scratch(const GemmProblem& p, const GluDgradEpilogue& e, char* base, Args* a) {
+  static size_t scratch(const GemmProblem& p, const GluDgradArgs& e, char* base, Args* a) {
     Scratch s(base);
-    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.c1 != nullptr);
+    float* c1 = s.take(Partial::per_row_floats(p.m, p.n), e.norm_c1 != nullptr);
     if (a != nullptr) a->c1_partials = c1;
     return s.used();
   }
-  static Args arguments(const GluDgradEpilogue& e) {
+  static Args arguments(const GluDgradArgs& e) {
     Args a;
-    a.pre_act = static_cast<E const*>(e.pre_act);
-    a.ld_pre_act = e.ld_pre_act;
-    a.activation = static_cast<epilogues::ActivationKind>(e.activation);
+    a.pre_act = static_cast<E const*>(e.h);
+    a.ld_pre_act = e.ldh;
+    a.activation = activation_kind(e.activation);
     return a;
   }
-  static Status finish(const GemmProblem& p, const GluDgradEpilogue& e, const Args& a) {
-    if (e.c1 == nullptr) return Status::kSuccess;
+  static Status finish(const GemmProblem& p, const GluDgradArgs& e, const Args& a) {
+    if (e.norm_c1 == nullptr) return Status::kSuccess;
     PartialSums m;
-    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.scale;
-    m.row_partials[0] = a.c1_partials; m.row_out[0] = e.c1;
+    m.rows = p.m; m.row_tiles = Partial::tiles_n(p.n); m.row_ld = Partial::rows_padded(p.m); m.row_scale = e.norm_scale;
+    m.row_partials[0] = a.c1_partials; m.row_out[0] = e.norm_c1;
     return merge_partials(T, m, p.stream);
   }
 };
@@ -295,8 +309,8 @@ template <DType T, Config C>
 struct Steps<Program::kNormRopeLinear, T, C> {
   using G = typename ProgramGemm<Program::kNormRopeLinear>::template type<T, C>;
   using Args = typename G::EpilogueProgram::Arguments;
-  static size_t scratch(const GemmProblem&, const NormRopeEpilogue&, char*, Args*) { return 0; }
-  static Args arguments(const NormRopeEpilogue& e) {
+  static size_t scratch(const GemmProblem&, const NormRopeArgs&, char*, Args*) { return 0; }
+  static Args arguments(const NormRopeArgs& e) {
     Args a;
     a.rstd = e.rstd;
     a.shift = e.shift;
@@ -304,7 +318,7 @@ struct Steps<Program::kNormRopeLinear, T, C> {
     a.freq = e.freq;
     return a;
   }
-  static Status finish(const GemmProblem&, const NormRopeEpilogue&, const Args&) { return Status::kSuccess; }
+  static Status finish(const GemmProblem&, const NormRopeArgs&, const Args&) { return Status::kSuccess; }
 };
 
 template <Program P, DType T, Config C>
