@@ -649,4 +649,17 @@ Status scale(DType dtype, void* x, int64_t n, const float* s, cudaStream_t strea
   return kernels::scale(dtype, x, n, s, stream);
 }
 
+Status scale_round(DType dtype, const float* src, void* dst, int64_t n, const float* s, cudaStream_t stream) {
+  if (n < 0) return detail::fail(Status::kInvalidArgument, "scale_round: n must be >= 0");
+  if (n > 0 && (src == nullptr || dst == nullptr)) {
+    return detail::fail(Status::kInvalidArgument, "scale_round: src and dst must not be null");
+  }
+  const char *s0 = static_cast<const char*>(static_cast<const void*>(src)), *d0 = static_cast<const char*>(dst);
+  if (n > 0 && s0 != d0 && s0 < d0 + 2 * n && d0 < s0 + 4 * n) {
+    return detail::fail(Status::kInvalidArgument, "scale_round: dst must be src itself or not overlap it");
+  }
+  CODA_RETURN_IF_ERROR(check_device());
+  return kernels::scale_round(dtype, src, dst, n, s, stream);
+}
+
 }  // namespace coda

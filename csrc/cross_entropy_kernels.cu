@@ -235,7 +235,95 @@ Status launch_scale(void* x, int64_t n, const float* scale, cudaStream_t stream)
   return Status::kSuccess;
 }
 
+// dst ← src·s rounded once from float: a float32 gradient scaled and cast in
+// one pass (two passes, mul_ then to(), read the float32 twice and write it once).
+template <class T>
+__global__ void __launch_bounds__(kThreads) scale_round_kernel(const float* src, T* dst, int64_t n,
+                                                               const float* scale) {
+  const float s = scale != nullptr ? *scale : 1.f;
+  const int64_t stride = int64_t(gridDim.x) * kThreads, first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  const bool aligned = reinterpret_cast<uintptr_t>(src) % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const int64_t full = aligned ? n / kVec : 0;
+  for (int64_t i = first; i < full; i += stride) {
+    const float4 lo = reinterpret_cast<const float4*>(src)[2 * i], hi = reinterpret_cast<const float4*>(src)[2 * i + 1];
+    const float f[kVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    Chunk<T, kVec> v;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) v.v[k] = from_float<T>(f[k] * s);
+    reinterpret_cast<Chunk<T, kVec>*>(dst)[i] = v;
+  }
+  for (int64_t i = full * kVec + first; i < n; i += stride) dst[i] = from_float<T>(src[i] * s);
+}
+
+template <class T>
+Status launch_scale_round(const float* src, void* dst, int64_t n, const float* scale, cudaStream_t stream) {
+  const int64_t blocks = (n / kVec + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 1 ? 1 : blocks < 65536 ? blocks : 65536);
+  scale_round_kernel<T><<<grid, kThreads, 0, stream>>>(src, static_cast<T*>(dst), n, scale);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return detail::fail(Status::kCudaError, std::string("scale_round launch: ") + cudaGetErrorString(e));
+  }
+  return Status::kSuccess;
+}
+
+// In place, the 16-bit result of element i lands on bytes [2i, 2i + 2) of the
+// float32 buffer, which held element i/2: it must not be written before that
+// element is read. The first kHead elements go by one block (all read, then
+// all written); then launch k takes [S, 2S), S = kHead·2^k: it reads bytes
+// [4S, 8S) and writes [2S, 4S), disjoint, over elements [S/2, S) that the
+// launches before it consumed. About log2(n / kHead) launches, each element
+// still read and written once.
+constexpr int64_t kHead = 4096;
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) narrow_head_kernel(float* buf, int64_t n, const float* scale) {
+  const float s = scale != nullptr ? *scale : 1.f;
+  float v[kHead / kThreads];
+#pragma unroll
+  for (int k = 0; k < kHead / kThreads; ++k) {
+    const int64_t i = threadIdx.x + int64_t(k) * kThreads;
+    v[k] = i < n ? buf[i] : 0.f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < kHead / kThreads; ++k) {
+    const int64_t i = threadIdx.x + int64_t(k) * kThreads;
+    if (i < n) reinterpret_cast<T*>(buf)[i] = from_float<T>(v[k] * s);
+  }
+}
+
+template <class T>
+Status narrow_in_place(float* buf, int64_t n, const float* scale, cudaStream_t stream) {
+  narrow_head_kernel<T><<<1, kThreads, 0, stream>>>(buf, n < kHead ? n : kHead, scale);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return detail::fail(Status::kCudaError, std::string("scale_round launch: ") + cudaGetErrorString(e));
+  }
+  for (int64_t first = kHead; first < n; first *= 2) {
+    const int64_t end = first * 2 < n ? first * 2 : n;
+    Status st = launch_scale_round<T>(buf + first, reinterpret_cast<T*>(buf) + first, end - first, scale, stream);
+    if (st != Status::kSuccess) return st;
+  }
+  return Status::kSuccess;
+}
+
 }  // namespace
+
+Status scale_round(DType dtype, const float* src, void* dst, int64_t n, const float* scale, cudaStream_t stream) {
+  if (n == 0) return Status::kSuccess;
+  const bool in_place = static_cast<const void*>(src) == dst;
+  float* buf = const_cast<float*>(src);
+  if (dtype == DType::kBFloat16) {
+    return in_place ? narrow_in_place<__nv_bfloat16>(buf, n, scale, stream)
+                    : launch_scale_round<__nv_bfloat16>(src, dst, n, scale, stream);
+  }
+  if (dtype == DType::kFloat16) {
+    return in_place ? narrow_in_place<__half>(buf, n, scale, stream)
+                    : launch_scale_round<__half>(src, dst, n, scale, stream);
+  }
+  return detail::fail(Status::kInvalidArgument, "scale_round: dtype must be bfloat16 or float16");
+}
 
 Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream) {
   if (n == 0) return Status::kSuccess;

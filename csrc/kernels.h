@@ -213,5 +213,7 @@ int64_t head_norm_rope_partials(int64_t m, int64_t heads);
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream);
 // The body of the public coda::scale (csrc/cross_entropy_kernels.cu).
 Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream);
+// The body of the public coda::scale_round (csrc/cross_entropy_kernels.cu).
+Status scale_round(DType dtype, const float* src, void* dst, int64_t n, const float* scale, cudaStream_t stream);
 
 }  // namespace coda::kernels

@@ -127,7 +127,10 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
         grads[1:] = [g.float() if g.numel() else g for g in grads[1:]]
         if grads[0].numel() and (x.shape[-1] * 16 <= w.shape[0] or 4 * x.numel() <= 64 << 20):
             grads[0] = grads[0].float()
-    return loss, lse, *grads
+    # dW as its head rows and the rest (loss_ops.cpp's Grads: half of V up to a multiple of 8)
+    dx, dw, db = grads
+    head = min(w.shape[0], ((w.shape[0] + 1) // 2 + 7) // 8 * 8)
+    return loss, lse, dx, *((dw[:head].clone(), dw[head:].clone()) if dw.numel() else (dw, x.new_empty(0))), db
 
 
 def _lce_backward_cpu(grad, x, w, b, t, lse, ii, ls, cap, z, chunk, needs):

@@ -103,14 +103,15 @@ run_bench() {
 
 # Every fused GEMM of the LLaMA and GPT-2 training steps against cuBLAS's plain GEMM of the same operands,
 # kernel by kernel, then generate()'s prefill and decode with and without coda's kernels: coda.bench's
-# fused_gemm and generate sections, each into its own results file (KERNEL_SECTIONS picks, empty: none).
+# fused_gemm and generate sections, each into its own results file (KERNEL_SECTIONS picks, empty: none;
+# "lm_head" adds the LM head + loss with its chunk sweep and kernel breakdown, issue 43).
 run_kernel_bench() {
   local section
   for section in ${KERNEL_SECTIONS-fused_gemm generate}; do
     step "coda.bench --only $section ${KERNEL_BENCH_ARGS:-}"
     timeout -k 10 "${KERNEL_BENCH_TIMEOUT:-480}" python3 -m coda.bench --kernels --only "$section" --out "$OUT" \
       ${KERNEL_BENCH_ARGS:-} > "$OUT/$section.log" 2>&1 || status=1
-    grep -E "^  (fused_gemm|generate)_" "$OUT/$section.log" || tail -30 "$OUT/$section.log"
+    grep -E "^  (fused_gemm|generate|lm_head)_" "$OUT/$section.log" || tail -30 "$OUT/$section.log"
   done
 }
 

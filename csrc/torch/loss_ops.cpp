@@ -24,8 +24,8 @@
 // Either way the peak extra memory is one buffer of logits in x's dtype and
 // a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
 // problems may take 16 MiB of logits and a 64 MiB dX); recompute false adds
-// the float32 dW (4 bytes per weight, and W's own dtype beside it while the
-// backward rounds it). The lm_head benchmark times both.
+// the float32 dW (4 bytes per weight), which the backward rounds into its own
+// bytes (Grads). The lm_head benchmark times both.
 #include "autograd.h"
 #include "blas.h"
 #include "tensors.h"
@@ -73,10 +73,19 @@ int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 
 // The gradients the forward forms: (dx, dw, db), (0,) where not needed;
 // dW and db in float32, and dX where it takes at most half the memory bound
-// (D ≤ V/16): the backward scales them and rounds once.
+// (D ≤ V/16): the backward scales them and rounds once. dW is two buffers,
+// W's first head_rows(V) rows and the rest: the backward rounds the head in
+// place, into the first half of its own bytes, and the tail into the second
+// half, so the float32 bytes become the 16-bit dW with no third buffer (a
+// peak of 4 bytes a weight, not 4 + 2) and the tail is freed.
 struct Grads {
-  Tensor dx, dw, db;
+  Tensor dx, dw, dw_tail, db;
 };
+
+// The head's rows: half of V, up to a multiple of 8 (the tail's first logit
+// column stays 16-byte aligned for its GEMM), so that its float32 bytes hold
+// all V rows in 16 bits.
+int64_t head_rows(int64_t v) { return std::min(v, ((v + 1) / 2 + 7) / 8 * 8); }
 
 CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int64_t first_row, const CeParams& p) {
   CrossEntropyArgs a;
@@ -140,7 +149,11 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
       Tensor dxc = g.dx.narrow(0, s, len);
       product(dxc, z, w, false);
     }
-    if (needs[1]) product(g.dw, z.t(), xc, s > 0);
+    if (needs[1]) {
+      const int64_t head = g.dw.size(0);
+      product(g.dw, z.t().narrow(0, 0, head), xc, s > 0);
+      if (n > head) product(g.dw_tail, z.t().narrow(0, head, n - head), xc, s > 0);
+    }
     if (needs[2]) db32.add_(z.sum(0, false, at::kFloat));
   }
   if (needs[2]) g.db = db32;
@@ -194,11 +207,11 @@ bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean &
 Tensor prescale_of(const Tensor& count) { return at::exp2(-at::floor(at::log2(count) * 0.5)); }
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
-// `needs` (mean and sum), dx, dw, db of the sum of the rows' losses, which
+// `needs` (mean and sum), dx, dw (its head and tail rows), db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
 // mean; prescaled, by what prescale_of left): d loss / d logits is rounded before that scale,
 // and unscaled its target entries (≈ −1) round almost exactly.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
     std::array<bool, 3> needs) {
@@ -211,14 +224,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   needs[2] = needs[2] && bias.has_value();
   OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
   const bool dx_float = dx_in_float(x, w);
+  const int64_t head = head_rows(w.size(0));
+  const auto f32_rows = [&](int64_t rows) { return at::empty({rows, w.size(1)}, w.options().dtype(at::kFloat)); };
   Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
-          needs[1] ? at::empty_like(w, w.options().dtype(at::kFloat)) : none(x), none(x)};
+          needs[1] ? f32_rows(head) : none(x), needs[1] ? f32_rows(w.size(0) - head) : none(x), none(x)};
   const bool grad = needs[0] || needs[1] || needs[2];
   const Tensor inv = grad && prescaled(reduction, x) ? prescale_of(count_of(target, ignore_index)) : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
                                 inv.defined() ? inv.data_ptr<float>() : nullptr);
   return {reduced(loss, target, target_, ignore_index, reduction), lse, needs[0] ? g.dx.view(x_.sizes()) : g.dx,
-          g.dw, g.db};
+          g.dw, g.dw_tail, g.db};
 }
 
 // The recomputing path's slices: the float32 dX the backward sums into is
@@ -324,6 +339,25 @@ CODA_OP_HANDLE(linear_cross_entropy)
 CODA_OP_HANDLE(linear_cross_entropy_sliced)
 CODA_OP_HANDLE(linear_cross_entropy_backward)
 
+// dW = s·[head; tail] rounded once to W's dtype (the float32 rows of Grads).
+// In eager on the GPU into the head's own bytes: the head in place, the tail
+// after it, no other buffer; while a compiler traces, or on the CPU, out of
+// place.
+Tensor weight_grad(const Tensor& head, const Tensor& tail, const Tensor& s, c10::ScalarType dtype, bool functional) {
+  if (functional || !head.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+    return (at::cat({head, tail}) * s).to(dtype);
+  }
+  const int64_t d = head.size(1), rows = head.size(0) + tail.size(0);
+  Tensor dw = at::empty({0}, head.options().dtype(dtype)).set_(head.storage(), 0, {rows, d}, {d, 1});
+  check(coda::scale_round(dtype_of(dw), head.data_ptr<float>(), head.data_ptr(), head.numel(), s.data_ptr<float>(),
+                          stream()),
+        "scale_round");
+  check(coda::scale_round(dtype_of(dw), tail.data_ptr<float>(), static_cast<char*>(head.data_ptr()) + 2 * head.numel(),
+                          tail.numel(), s.data_ptr<float>(), stream()),
+        "scale_round");
+  return dw;
+}
+
 // recompute (or reduction none) saves x, W, b, the targets and the lse for
 // the recomputing backward; otherwise the gradients the forward formed.
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
@@ -333,13 +367,13 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     at::AutoDispatchBelowADInplaceOrView below;
     recompute = recompute || reduction == kNone;
     const std::array<bool, 3> needs{x.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
-    Tensor loss, lse, dx, dw, db;
+    Tensor loss, lse, dx, dw, dw_tail, db;
     if (recompute) {
       std::tie(loss, lse) = linear_cross_entropy_sliced_op().call(x, weight, bias, target, ignore_index,
                                                                   label_smoothing, softcap, z_loss, reduction,
                                                                   chunk_vocab);
     } else {
-      std::tie(loss, lse, dx, dw, db) = linear_cross_entropy_op().call(
+      std::tie(loss, lse, dx, dw, dw_tail, db) = linear_cross_entropy_op().call(
           x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
     }
     // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
@@ -354,7 +388,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       ctx->saved_data["z"] = z_loss;
       ctx->saved_data["chunk"] = chunk_vocab;
     } else {
-      ctx->save_for_backward({dx, dw, db, count});
+      ctx->save_for_backward({dx, dw, db, dw_tail, count});
     }
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
@@ -386,7 +420,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     }
     // The forward's gradients times the upstream scalar, in float32: those
     // kept in float32 (dW, db, and dX where dx_in_float) are scaled and
-    // rounded once; a 16-bit dX in place in eager by coda::scale (nothing
+    // rounded once, in eager in one pass (coda::scale_round); a 16-bit dX in place in eager by coda::scale (nothing
     // else holds it; no second such tensor, no sync), out of place while a
     // compiler traces (its tensors are functional) or on the CPU. In place,
     // a second backward (retain_graph) would scale them again.
@@ -402,7 +436,17 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       if (!n[i] || v[i].numel() == 0) continue;
       Tensor t = v[i];
       const bool functional = s.key_set().has_any(traced) || t.key_set().has_any(traced);
-      if (t.scalar_type() == at::kFloat) {
+      if (i == 1) {
+        out[1] = weight_grad(t, v[3], s, dtypes[1], functional);
+        continue;
+      }
+      const bool to_16 = dtypes[i] == at::kBFloat16 || dtypes[i] == at::kHalf;
+      if (t.scalar_type() == at::kFloat && to_16 && !functional && t.is_cuda()) {
+        out[i] = at::empty(t.sizes(), t.options().dtype(dtypes[i]));
+        check(coda::scale_round(dtype_of(out[i]), t.data_ptr<float>(), out[i].data_ptr(), t.numel(),
+                                s.data_ptr<float>(), stream()),
+              "scale_round");
+      } else if (t.scalar_type() == at::kFloat) {
         out[i] = (functional ? t * s : t.mul_(s)).to(dtypes[i]);
       } else if (functional || !t.is_cuda()) {
         out[i] = (t.to(at::kFloat) * s).to(t.scalar_type());
@@ -447,7 +491,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_loss(const Tensor& x, const Tens
 CODA_TORCH_OP(linear_cross_entropy,
               "linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
               " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool[3] needs)"
-              " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+              " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_sliced,
               "linear_cross_entropy_sliced(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
               " float label_smoothing, float softcap, float z_loss, int reduction, int chunk) -> (Tensor, Tensor)")

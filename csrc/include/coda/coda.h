@@ -470,6 +470,11 @@ Status cross_entropy(DType dtype, const CrossEntropyArgs& args, cudaStream_t str
 // scale read on the device: gradients a fused loss computed in its forward,
 // times the upstream gradient, with no host sync.
 Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream);
+// dst[i] ← round(src[i]·(*scale)) for i < n into dtype (bf16 or fp16), src
+// float32, scale read on the device (null: 1): a float32 gradient scaled and
+// rounded once in one pass. dst is src itself (in place: the result fills the
+// buffer's first 2n bytes) or does not overlap it.
+Status scale_round(DType dtype, const float* src, void* dst, int64_t n, const float* scale, cudaStream_t stream);
 
 size_t linear_workspace_size(DType dtype, const LinearArgs& args);
 size_t norm_linear_workspace_size(DType dtype, const NormLinearArgs& args);

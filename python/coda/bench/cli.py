@@ -29,7 +29,8 @@ LLaMA-3-8B's dims x 16,384 tokens and LLaMA-3.2-1B's x 8192 (`--tokens`,
 `--dims` pick others), with Liger-Kernel's RMSNorm, SiLU-mul and RoPE as
 `liger`, into <date>-<device>-llama-<commit>.json when it runs alone.
 `--only lm_head` runs the LM head + cross-entropy, forward + backward, at 8192
-tokens x d 2048 and 16384 x 4096, vocabulary 128,256 (lm_head.py), with time and
+tokens x d 2048 and 16384 x 4096 (vocabulary 128,256), 8192 x 1024 (50,257) and
+8192 x 1536 (151,936) (lm_head.py), with time and
 peak memory per impl, into <date>-<device>-lm_head-<commit>.json when it runs alone.
 `--only fused_gemm` times every fused GEMM of a patched LLaMA-3.2-1B (8192 tokens),
 LLaMA-3-8B (16,384) and GPT-2-medium (8192) layer's forward + backward, kernel by
@@ -271,7 +272,7 @@ def kernels(args: argparse.Namespace) -> int:
         shape["generate"] = [{"batch": b, "model": m, "prompt": generate.PROMPT, "new_tokens": generate.NEW}
                              for b, m in generate_points]
     if head_points:
-        shape["lm_head"] = [{"tokens": t, "d": d, "vocab": lm_head.VOCAB if gpu else 1000} for t, d in head_points]
+        shape["lm_head"] = [{"tokens": t, "d": d, "vocab": lm_head.vocab_of(t, d, gpu)} for t, d in head_points]
     if llama_points:
         shape["llama"] = [llama.describe(t, d) for t, d in llama_points]
 

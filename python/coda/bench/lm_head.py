@@ -1,7 +1,8 @@
 """The LM head + cross-entropy, forward + backward (`--only lm_head`): time and peak memory.
 
-Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, at 8192 tokens x d 2048 and
-16384 x 4096, vocabulary 128,256 (LLaMA 3's), bf16. Impls:
+Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 and
+16384 x 4096 with LLaMA 3's vocabulary (128,256), 8192 x 1024 with GPT-2's (50,257) and
+8192 x 1536 with Qwen's (151,936). Impls:
   coda          coda.ops.linear_cross_entropy as it comes: the backward
                 recomputes the logits (four GEMMs, gradients rounded as torch's)
   coda_fwd      recompute=False: the gradients formed in the forward's chunks
@@ -12,7 +13,10 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, at 8192 tokens x d 2048 and
   compile       torch.compile of it
   liger         Liger-Kernel's LigerFusedLinearCrossEntropyFunction
 Each row has peak_gib (torch.cuda.max_memory_allocated over one step, the
-inputs included) and extra_gib (that minus the inputs and the gradients).
+inputs included) and extra_gib (that minus the inputs and the gradients); coda's,
+coda_fwd's, cublas's and liger's also the step's kernels (kernel_us) and their
+sums by kind (phase_us: gemm, cross_entropy, scale, other): where the time over
+the three GEMMs goes.
 """
 
 from __future__ import annotations
@@ -25,20 +29,41 @@ import torch.nn.functional as F
 import coda
 
 from . import steps
-from .timing import Runner, why
+from .timing import Runner, kernel_timeline, why
 
 VOCAB = 128256
-POINTS = [(8192, 2048), (16384, 4096)]
-CHUNKS = (4096,)
+POINTS = [(8192, 2048), (16384, 4096), (8192, 1024), (8192, 1536)]
+# the vocabulary of the models at those widths other than LLaMA 3's: GPT-2 medium's, Qwen2.5-1.5B's
+VOCABS = {(8192, 1024): 50257, (8192, 1536): 151936}
+CHUNKS = (1024, 2048, 4096, 8192)
+# the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
+PROFILED = ("coda", "coda_fwd", "cublas", "liger")
+KINDS = (("cross_entropy", ("cross_entropy",)), ("scale", ("scale",)),
+         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")))
 
 
 def points(tokens, dims, gpu: bool):
-    """(tokens, d) pairs: the two above by default; --tokens / --dims pick others (every pair)."""
+    """(tokens, d) pairs: the four above by default; --tokens / --dims pick others (every pair)."""
     if not gpu:
         return [(t, d) for t in (tokens or [256]) for d in (dims or [64])]
     if tokens is None and dims is None:
         return POINTS
     return [(t, d) for t in (tokens or [8192]) for d in (dims or [2048])]
+
+
+def vocab_of(tokens: int, d: int, gpu: bool) -> int:
+    return VOCABS.get((tokens, d), VOCAB) if gpu else 1000
+
+
+def phases(kernel_us) -> dict:
+    """kernel_timeline's [name, us, idle us] rows summed by kind (KINDS; the rest "other")."""
+    out = {kind: 0.0 for kind, _ in KINDS}
+    out["other"] = 0.0
+    for name, us, _ in kernel_us:
+        low = name.lower()
+        kind = next((k for k, keys in KINDS if any(key in low for key in keys)), "other")
+        out[kind] = round(out[kind] + us, 1)
+    return out
 
 
 def liger_fn():
@@ -62,10 +87,10 @@ def _peak(step, device: str) -> float:
     return float(torch.cuda.max_memory_allocated())
 
 
-def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device: str, vocab: int = VOCAB) -> None:
+def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device: str) -> None:
     fn_liger, why_not = liger_fn() if r.gpu else (None, "Liger-Kernel's Triton kernels need a CUDA GPU")
-    vocab = vocab if r.gpu else 1000
     for d in dims:
+        vocab = vocab_of(tokens, d, r.gpu)
         case = f"lm_head_ce_fwd_bwd_t{tokens}_d{d}_v{vocab}"
         torch.manual_seed(0)
         x = steps.rand(tokens, d, dtype=dtype, device=device).requires_grad_(True)
@@ -104,6 +129,11 @@ def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device:
             row["extra_gib"] = (peak - held) / 2**30
             print(f"  {case:<32} {row['impl']:<14} peak {row['peak_gib']:7.3f} GiB  "
                   f"extra {row['extra_gib']:7.3f} GiB", flush=True)
+            if r.gpu and row["impl"] in PROFILED:
+                row.update(kernel_timeline(impls[row["impl"]]))
+                row["phase_us"] = phases(row["kernel_us"])
+                print(f"  {case:<32} {row['impl']:<14} " +
+                      "  ".join(f"{k} {v / 1e3:.2f} ms" for k, v in row["phase_us"].items()), flush=True)
         if r.after_case is not None:
             r.after_case()
         del impls, x, w, t

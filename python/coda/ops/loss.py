@@ -45,9 +45,14 @@ if _kernels.available():
         # (loss_ops.cpp's dx_in_float): the backward scales them and rounds once
         dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] or 4 * m * x.shape[-1] <= 64 << 20 \
             else x.dtype
+        # dW as its head rows and the rest (loss_ops.cpp's Grads, head_rows)
+        v, d = weight.shape
+        head = min(v, ((v + 1) // 2 + 7) // 8 * 8)
+        dw = grad and needs[1]
         return (*_loss_and_lse(x, target, reduction),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
-                x.new_empty(weight.shape, dtype=torch.float32) if grad and needs[1] else x.new_empty(0),
+                x.new_empty((head, d), dtype=torch.float32) if dw else x.new_empty(0),
+                x.new_empty((v - head, d), dtype=torch.float32) if dw else x.new_empty(0),
                 x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
                 else x.new_empty(0))
 
