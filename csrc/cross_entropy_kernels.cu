@@ -25,8 +25,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
+
+#include <cooperative_groups.h>
 
 #include "block_sum.cuh"
 #include "error.h"
@@ -59,17 +67,18 @@ __device__ inline Lse warp_lse(Lse v) {
 
 __device__ inline float capped(float z, float cap) { return cap > 0.f ? cap * tanhf(z / cap) : z; }
 
-// d loss / d z over the row's n columns in place, from its lse; tc the
-// target's column in the row (outside [0, n) when it lies in another slice).
-template <class T>
-__device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int64_t tc, bool bad, int64_t r,
-                               int64_t vocab) {
-  const int64_t n = a.n, full = n / kVec * kVec;
-  const float cap = a.softcap;
-  float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
-  if (bad) scale = NAN;
-  const float off = a.label_smoothing / float(vocab), hit = 1.f - a.label_smoothing, zl = 2.f * a.z_loss * lse;
-  auto grad = [&](float raw, int64_t j) {
+// d loss / d z of one logit of row r, from the row's lse; tc the target's
+// column in the row (outside [0, n) when it lies in another slice).
+struct GradOf {
+  float lse, cap, scale, off, hit, zl;
+  int64_t tc;
+  __device__ GradOf(const CrossEntropyArgs& a, float lse_, int64_t tc_, bool bad, int64_t r, int64_t vocab)
+      : lse(lse_), cap(a.softcap), off(a.label_smoothing / float(vocab)), hit(1.f - a.label_smoothing),
+        zl(2.f * a.z_loss * lse_), tc(tc_) {
+    scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
+    if (bad) scale = NAN;
+  }
+  __device__ float operator()(float raw, int64_t j) const {
     const float z = capped(raw, cap);
     const float p = __expf(z - lse);
     float g = p * (1.f + zl) - off - (j == tc ? hit : 0.f);
@@ -78,7 +87,15 @@ __device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int
       g *= 1.f - th * th;
     }
     return scale * g;
-  };
+  }
+};
+
+// d loss / d z over the row's n columns in place, from its lse.
+template <class T>
+__device__ void write_grad_row(const CrossEntropyArgs& a, T* row, float lse, int64_t tc, bool bad, int64_t r,
+                               int64_t vocab) {
+  const int64_t n = a.n, full = n / kVec * kVec;
+  const GradOf grad(a, lse, tc, bad, r, vocab);
   for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
     Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
 #pragma unroll
@@ -197,8 +214,215 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
   }
 }
 
+// The one-read variant of the kernel above for its statistics-and-gradient
+// pass (write_grad, no lse_in, no partial): there each logit is read for the
+// statistics and read again for its gradient, and ~500 rows of 250 KB in
+// flight (LLaMA 3's vocabulary) are more than the L2 holds, so the second
+// read goes to memory. Here a cluster of `ranks` CTAs holds one row in their
+// shared memory, a slice each (kSliceBytes at most, so two CTAs fit an SM),
+// and combines the slices' statistics through distributed shared memory:
+// each logit is read from memory once and written once. Slices are multiples
+// of 8 elements; the row's tail (n % 8) is the last slice's. The clusters
+// loop over the rows; every CTA of a cluster takes the same branches.
+constexpr int64_t kSliceBytes = 100 << 10;
+constexpr int kMaxRanks = 8;  // the portable cluster size
+
+std::atomic<bool> one_read{false};
+std::atomic<int64_t> one_read_launches{0};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) cross_entropy_one_read_kernel(CrossEntropyArgs a, int64_t slice) {
+  extern __shared__ __align__(16) unsigned char slice_bytes[];
+  T* buf = reinterpret_cast<T*>(slice_bytes);
+  // per rank: (max, Σexp, Σz', z'_t) of its slice, by row parity: a rank
+  // rewrites its parity-p values two rows on, past the next row's cluster
+  // barrier, which every rank reaches only after reading them
+  __shared__ float part[2][4];
+  __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
+  __shared__ float row_stats[4];
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t n = a.n, full = n / kVec * kVec;
+  const int64_t c0 = rank * slice, c1 = c0 + slice < n ? c0 + slice : n;
+  const int64_t v_end = c1 < full ? c1 : full;  // the slice's 16-byte chunks end here
+  const float cap = a.softcap, eps = a.label_smoothing;
+  const int64_t clusters = gridDim.x / ranks;
+  int parity = 0;
+  for (int64_t r = blockIdx.x / ranks; r < a.m; r += clusters) {
+    T* row = static_cast<T*>(a.logits) + r * a.ld;
+    const int64_t t = a.target[r];
+    if (t == a.ignore_index) {
+      if (rank == 0 && threadIdx.x == 0) {
+        a.loss[r] = 0.f;
+        if (a.lse != nullptr) a.lse[r] = 0.f;
+      }
+      Chunk<T, kVec> zero;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) zero.v[e] = from_float<T>(0.f);
+      for (int64_t j = c0 + int64_t(threadIdx.x) * kVec; j < v_end; j += int64_t(kThreads) * kVec) {
+        *reinterpret_cast<Chunk<T, kVec>*>(row + j) = zero;
+      }
+      for (int64_t j = (c0 > full ? c0 : full) + threadIdx.x; j < c1; j += kThreads) row[j] = from_float<T>(0.f);
+      continue;
+    }
+    const int64_t vocab = a.vocab > 0 ? a.vocab : n;
+    const bool bad = t < 0 || t >= vocab;
+    // the slice into shared memory, and its statistics on the way (unrolled:
+    // several 16-byte loads in flight per thread)
+    Lse acc{-INFINITY, 0.f};
+    float zsum = 0.f;
+#pragma unroll 4
+    for (int64_t j = c0 + int64_t(threadIdx.x) * kVec; j < v_end; j += int64_t(kThreads) * kVec) {
+      const Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
+      *reinterpret_cast<Chunk<T, kVec>*>(buf + (j - c0)) = v;
+      float z[kVec], mx = -INFINITY;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        z[e] = capped(to_float(v.v[e]), cap);
+        mx = fmaxf(mx, z[e]);
+        zsum += z[e];
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) sum += __expf(z[e] - mx);
+      acc = combine(acc, {mx, sum});
+    }
+    for (int64_t j = (c0 > full ? c0 : full) + threadIdx.x; j < c1; j += kThreads) {
+      const T v = row[j];
+      buf[j - c0] = v;
+      const float z = capped(to_float(v), cap);
+      zsum += z;
+      acc = combine(acc, {z, 1.f});
+    }
+    acc = warp_lse(acc);
+    zsum = warp_sum(zsum);
+    if (lane == 0) {
+      sm[warp] = acc.m;
+      ss[warp] = acc.s;
+      sz[warp] = zsum;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      Lse b = lane < kThreads / 32 ? Lse{sm[lane], ss[lane]} : Lse{-INFINITY, 0.f};
+      float zs = lane < kThreads / 32 ? sz[lane] : 0.f;
+      b = warp_lse(b);
+      zs = warp_sum(zs);
+      if (lane == 0) {
+        part[parity][0] = b.m;
+        part[parity][1] = b.s;
+        part[parity][2] = zs;
+        part[parity][3] = !bad && t >= c0 && t < c1 ? capped(to_float(buf[t - c0]), cap) : 0.f;
+      }
+    }
+    cluster.sync();
+    if (warp == 0) {  // every rank's slice statistics, one lane a rank
+      Lse b{-INFINITY, 0.f};
+      float zs = 0.f, zt = 0.f;
+      if (lane < ranks) {
+        const float* p = cluster.map_shared_rank(&part[parity][0], lane);
+        b = {p[0], p[1]};
+        zs = p[2];
+        zt = p[3];
+      }
+      b = warp_lse(b);
+      zs = warp_sum(zs);
+      zt = warp_sum(zt);
+      if (lane == 0) {
+        row_stats[0] = b.m + __logf(b.s);
+        row_stats[1] = zs;
+        row_stats[2] = zt;
+      }
+    }
+    __syncthreads();
+    const float lse = row_stats[0];
+    if (rank == 0 && threadIdx.x == 0) {
+      const float loss = (1.f - eps) * (lse - row_stats[2]) + eps * (lse - row_stats[1] / float(vocab)) +
+                         a.z_loss * lse * lse;
+      a.loss[r] = bad ? NAN : loss;
+      if (a.lse != nullptr) a.lse[r] = lse;
+    }
+    // the gradient, from shared memory (each thread its own elements)
+    const GradOf grad(a, lse, t, bad, r, vocab);
+    for (int64_t j = c0 + int64_t(threadIdx.x) * kVec; j < v_end; j += int64_t(kThreads) * kVec) {
+      Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(buf + (j - c0));
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v.v[e] = from_float<T>(grad(to_float(v.v[e]), j + e));
+      *reinterpret_cast<Chunk<T, kVec>*>(row + j) = v;
+    }
+    for (int64_t j = (c0 > full ? c0 : full) + threadIdx.x; j < c1; j += kThreads) {
+      row[j] = from_float<T>(grad(to_float(buf[j - c0]), j));
+    }
+    parity ^= 1;
+    __syncthreads();  // sm / ss / sz and row_stats are rewritten by the next row
+  }
+  cluster.sync();  // no rank leaves while another may still read its part
+}
+
+// The ranks a row takes in the one-read kernel (0: its row does not fit in
+// kMaxRanks slices), and the slice, a multiple of 8 elements.
+template <class T>
+std::pair<int, int64_t> one_read_split(int64_t n) {
+  const int64_t per = kSliceBytes / int64_t(sizeof(T)) / kVec * kVec;
+  const int64_t ranks = (n + per - 1) / per;
+  if (ranks > kMaxRanks) return {0, 0};
+  return {int(ranks), ((n + ranks - 1) / ranks + kVec - 1) / kVec * kVec};
+}
+
+template <class T>
+Status launch_one_read(const CrossEntropyArgs& a, int ranks, int64_t slice, cudaStream_t stream) {
+  const auto kernel = cross_entropy_one_read_kernel<T>;
+  const size_t bytes = size_t(slice) * sizeof(T);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(ranks);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // clusters that fit on the device at once: the grid, the rows looping over it; asked once per device and shape
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, size_t>, int> resident_of;
+  int device = 0, resident = 0;
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_tuple(device, ranks, bytes);
+    auto it = resident_of.find(key);
+    if (it == resident_of.end()) {
+      cfg.gridDim = dim3(unsigned(ranks));
+      e = cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg);
+      if (e == cudaSuccess) resident_of[key] = resident;
+    } else {
+      resident = it->second;
+    }
+  }
+  if (e != cudaSuccess) {
+    return detail::fail(Status::kCudaError, std::string("cross_entropy (one read) setup: ") + cudaGetErrorString(e));
+  }
+  const int64_t clusters = std::max<int64_t>(1, std::min<int64_t>(a.m, resident));
+  cfg.gridDim = dim3(unsigned(clusters * ranks));
+  e = cudaLaunchKernelEx(&cfg, kernel, a, slice);
+  if (e != cudaSuccess) {
+    return detail::fail(Status::kCudaError, std::string("cross_entropy (one read) launch: ") + cudaGetErrorString(e));
+  }
+  one_read_launches.fetch_add(1, std::memory_order_relaxed);
+  return Status::kSuccess;
+}
+
 template <class T>
 Status launch(const CrossEntropyArgs& a, cudaStream_t stream) {
+  if (one_read.load(std::memory_order_relaxed) && a.write_grad && a.lse_in == nullptr && a.partial == nullptr &&
+      a.loss != nullptr) {
+    const auto [ranks, slice] = one_read_split<T>(a.n);
+    if (ranks > 0) return launch_one_read<T>(a, ranks, slice, stream);
+  }
   const unsigned grid = static_cast<unsigned>(a.m < 0x7fffffff ? a.m : 0x7fffffff);
   cross_entropy_kernel<T><<<grid, kThreads, 0, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
@@ -331,6 +555,9 @@ Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t s
   if (dtype == DType::kFloat16) return launch_scale<__half>(x, n, scale, stream);
   return detail::fail(Status::kInvalidArgument, "scale: dtype must be bfloat16 or float16");
 }
+
+void set_cross_entropy_one_read(bool on) { one_read.store(on, std::memory_order_relaxed); }
+int64_t cross_entropy_one_read_launches() { return one_read_launches.load(std::memory_order_relaxed); }
 
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream) {
   if (a.m == 0) return Status::kSuccess;

@@ -211,6 +211,10 @@ int64_t head_norm_rope_partials(int64_t m, int64_t heads);
 
 // The body of the public coda::cross_entropy (csrc/cross_entropy_kernels.cu).
 Status cross_entropy(DType dtype, const CrossEntropyArgs& a, cudaStream_t stream);
+// The one-read cross-entropy kernel for the statistics-and-gradient pass, off
+// by default until measured (registry.h's set_cross_entropy_one_read), and its launches.
+void set_cross_entropy_one_read(bool on);
+int64_t cross_entropy_one_read_launches();
 // The body of the public coda::scale (csrc/cross_entropy_kernels.cu).
 Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream);
 // The body of the public coda::scale_round (csrc/cross_entropy_kernels.cu).

@@ -86,4 +86,7 @@ std::vector<Launch> take_launches() {
 
 void set_kernel_override(int config, int raster, int swizzle) { kernels::set_override(config, raster, swizzle); }
 
+void set_cross_entropy_one_read(bool on) { kernels::set_cross_entropy_one_read(on); }
+int64_t cross_entropy_one_read_launches() { return kernels::cross_entropy_one_read_launches(); }
+
 }  // namespace coda::registry

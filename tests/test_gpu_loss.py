@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coda import ops
+from coda import _kernels, ops
 from helpers import poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
 
@@ -238,6 +238,38 @@ def test_peak_memory_is_an_eighth_of_the_fp32_logits(recompute):
     # recompute=False also holds a float32 dW, whose first half of bytes becomes the gradient
     bound = m * v * 4 / 8 + (0 if recompute else 2 * v * d)
     assert extra <= bound + (4 << 20), f"extra {extra / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
+
+
+ONE_READ_OPTIONS = [dict(), dict(label_smoothing=0.1, z_loss=1e-4), dict(softcap=30.0, ignore_index=7)]
+
+
+@pytest.mark.parametrize("v", [1000, 32003, 50257, 128256, 151936])
+@pytest.mark.parametrize("option", ONE_READ_OPTIONS)
+def test_one_read_cross_entropy(v, option, seed):
+    """The one-read kernel (a cluster of 1-3 CTAs holding each row in shared memory) for recompute=False's
+    statistics-and-gradient pass: within torch's error of float64, beside the one-block-a-row kernel's loss and
+    gradients, and it ran (its launch count), for vocabularies of one and of three slices, an odd tail, the options
+    and ignored rows."""
+    m, d = 700, 256
+    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=3 * d**-0.5)
+    t = targets(m, v, 0.2, option.get("ignore_index", -100))
+    with _kernels.cross_entropy_one_read() as launches:
+        loss, grads = check(f"lce one read v={v} {option} seed={seed}", [x, w], t, recompute=False, tokens=m,
+                            **option)
+        assert launches() > 0
+    loss2, grads2 = run(lambda x, w: ops.linear_cross_entropy(x, w, t, recompute=False, **option), [x, w],
+                        torch.tensor(1.7, device="cuda"))
+    torch.testing.assert_close(loss, loss2, rtol=1e-5, atol=0)
+    for g, g2 in zip(grads, grads2):
+        assert rel_err(g, g2) < 2e-3
+
+
+def test_one_read_is_off_by_default():
+    m, v = 64, 5000
+    x, w, t = rand(m, 256, dtype=BF16), rand(v, 256, dtype=BF16, scale=256**-0.5), targets(m, v)
+    first = torch.ops.coda._cross_entropy_one_read_launches()
+    run(lambda x, w: ops.linear_cross_entropy(x, w, t, recompute=False), [x, w], torch.tensor(1.0, device="cuda"))
+    assert torch.ops.coda._cross_entropy_one_read_launches() == first
 
 
 @pytest.mark.parametrize("v", [32000, 32003, 50257, 9])

@@ -114,11 +114,16 @@ std::tuple<std::string, int64_t, int64_t, bool> kernel_choice(const std::string&
   return {reg::config_name(c.config), c.raster, c.swizzle, c.vendor_gemm};
 }
 
+void set_cross_entropy_one_read(bool on) { reg::set_cross_entropy_one_read(on); }
+int64_t cross_entropy_one_read_launches() { return reg::cross_entropy_one_read_launches(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(coda, m) {
   m.def("device_supported(int device) -> bool", &device_supported);
   m.def("_set_kernel_override(int config, int raster, int swizzle) -> ()", &set_kernel_override);
+  m.def("_set_cross_entropy_one_read(bool on) -> ()", &set_cross_entropy_one_read);
+  m.def("_cross_entropy_one_read_launches() -> int", &cross_entropy_one_read_launches);
   m.def("_kernels_built() -> str[]", &kernels_built);
   m.def("_programs() -> str[]", &programs);
   m.def("_launch_counts() -> (str[], int[])", &launch_counts);

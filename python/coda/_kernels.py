@@ -145,6 +145,19 @@ def override_kernel(config: int = -1, raster: int = -1, swizzle: int = -1):
         torch.ops.coda._set_kernel_override(-1, -1, -1)
 
 
+@contextlib.contextmanager
+def cross_entropy_one_read():
+    """In the block, linear_cross_entropy(recompute=False)'s cross-entropy pass runs the one-read kernel (a
+    cluster of CTAs holds each row of logits in shared memory; rows up to 8 x 100 KB) where it fits; the
+    default kernel elsewhere and after. Yields a function giving the one-read kernel's launches since entry."""
+    first = torch.ops.coda._cross_entropy_one_read_launches()
+    torch.ops.coda._set_cross_entropy_one_read(True)
+    try:
+        yield lambda: torch.ops.coda._cross_entropy_one_read_launches() - first
+    finally:
+        torch.ops.coda._set_cross_entropy_one_read(False)
+
+
 def kernels_built() -> Dict[str, Dict[int, str]]:
     """program -> {configuration value: name} of every kernel built."""
     out: Dict[str, Dict[int, str]] = {}

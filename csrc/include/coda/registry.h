@@ -75,4 +75,13 @@ std::vector<Launch> take_launches();
 // each configuration the rule can pick.
 void set_kernel_override(int config, int raster, int swizzle);
 
+// The cross-entropy pass that forms the statistics and the gradient of a
+// chunk of logits (linear_cross_entropy with recompute=False) by a cluster of
+// CTAs holding each row in shared memory, one read of the logits instead of
+// two, where on (rows of up to 8 x 100 KB); off by default until it is
+// measured against the one-block-a-row kernel. For tests and benchmarks.
+void set_cross_entropy_one_read(bool on);
+// Its launches in this process.
+int64_t cross_entropy_one_read_launches();
+
 }  // namespace coda::registry

@@ -8,6 +8,9 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
   coda_fwd      recompute=False: the gradients formed in the forward's chunks
                 (three GEMMs, dW summed over the chunks in float32)
   coda_fwd_c<N> the same with N tokens per chunk: the memory / time trade-off
+  coda_fwd_1r   coda_fwd with the one-read cross-entropy kernel (each row of logits
+                held in a cluster's shared memory: read once, not twice), off by
+                default until this row says it wins
   cublas        the three GEMMs alone (logits, dX, dW): the floor
   eager         F.linear + F.cross_entropy
   compile       torch.compile of it
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import coda
+from coda import _kernels
 
 from . import steps
 from .timing import Runner, kernel_timeline, why
@@ -37,7 +41,7 @@ POINTS = [(8192, 2048), (16384, 4096), (8192, 1024), (8192, 1536)]
 VOCABS = {(8192, 1024): 50257, (8192, 1536): 151936}
 CHUNKS = (1024, 2048, 4096, 8192)
 # the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
-PROFILED = ("coda", "coda_fwd", "cublas", "liger")
+PROFILED = ("coda", "coda_fwd", "coda_fwd_1r", "cublas", "liger")
 KINDS = (("cross_entropy", ("cross_entropy",)), ("scale", ("scale",)),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")))
 
@@ -110,6 +114,11 @@ def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device:
         lce = coda.ops.linear_cross_entropy
         impls = {"coda": step(lambda x, w, t: lce(x, w, t)),
                  "coda_fwd": step(lambda x, w, t: lce(x, w, t, recompute=False))}
+        def one_read(x, w, t):
+            with _kernels.cross_entropy_one_read():  # the pass runs in the forward
+                return lce(x, w, t, recompute=False)
+
+        impls["coda_fwd_1r"] = step(one_read)
         for c in CHUNKS:
             impls[f"coda_fwd_c{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, recompute=False, chunk_tokens=c))
         impls.update({"cublas": cublas, "eager": step(eager), "compile": step(steps.compiled(eager))})
