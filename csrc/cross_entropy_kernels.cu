@@ -67,6 +67,41 @@ __device__ inline Lse warp_lse(Lse v) {
 
 __device__ inline float capped(float z, float cap) { return cap > 0.f ? cap * tanhf(z / cap) : z; }
 
+// Folds 8 logits into a thread's running (max, Σexp) and Σz'.
+template <class T>
+__device__ inline void fold_chunk(const Chunk<T, kVec>& v, float cap, Lse& acc, float& zsum) {
+  float z[kVec], mx = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    z[e] = capped(to_float(v.v[e]), cap);
+    mx = fmaxf(mx, z[e]);
+    zsum += z[e];
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) sum += __expf(z[e] - mx);
+  acc = combine(acc, {mx, sum});
+}
+
+// The block's (max, Σexp) and Σz' from every thread's, complete in warp 0's
+// lane 0 (warps' values through the shared sm / ss / sz, which the caller
+// may rewrite after its next __syncthreads).
+__device__ inline void block_stats(Lse& acc, float& zsum, float* sm, float* ss, float* sz) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  acc = warp_lse(acc);
+  zsum = warp_sum(zsum);
+  if (lane == 0) {
+    sm[warp] = acc.m;
+    ss[warp] = acc.s;
+    sz[warp] = zsum;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    acc = warp_lse(lane < kThreads / 32 ? Lse{sm[lane], ss[lane]} : Lse{-INFINITY, 0.f});
+    zsum = warp_sum(lane < kThreads / 32 ? sz[lane] : 0.f);
+  }
+}
+
 // d loss / d z of one logit of row r, from the row's lse; tc the target's
 // column in the row (outside [0, n) when it lies in another slice).
 struct GradOf {
@@ -112,7 +147,6 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArgs a) {
   __shared__ float sm[kThreads / 32], ss[kThreads / 32], sz[kThreads / 32];
   __shared__ float row_max, row_exp, row_sum;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t n = a.n, full = n / kVec * kVec;
   const float cap = a.softcap, eps = a.label_smoothing;
   for (int64_t r = blockIdx.x; r < a.m; r += gridDim.x) {
@@ -147,42 +181,18 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_kernel(CrossEntropyArg
     Lse acc{-INFINITY, 0.f};
     float zsum = 0.f;
     for (int64_t j = int64_t(threadIdx.x) * kVec; j < full; j += int64_t(kThreads) * kVec) {
-      const Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
-      float z[kVec], mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        z[e] = capped(to_float(v.v[e]), cap);
-        mx = fmaxf(mx, z[e]);
-        zsum += z[e];
-      }
-      float s = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) s += __expf(z[e] - mx);
-      acc = combine(acc, {mx, s});
+      fold_chunk(*reinterpret_cast<const Chunk<T, kVec>*>(row + j), cap, acc, zsum);
     }
     for (int64_t j = full + threadIdx.x; j < n; j += kThreads) {
       const float z = capped(to_float(row[j]), cap);
       zsum += z;
       acc = combine(acc, {z, 1.f});
     }
-    acc = warp_lse(acc);
-    zsum = warp_sum(zsum);
-    if (lane == 0) {
-      sm[warp] = acc.m;
-      ss[warp] = acc.s;
-      sz[warp] = zsum;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      Lse b = lane < kThreads / 32 ? Lse{sm[lane], ss[lane]} : Lse{-INFINITY, 0.f};
-      float zs = lane < kThreads / 32 ? sz[lane] : 0.f;
-      b = warp_lse(b);
-      zs = warp_sum(zs);
-      if (lane == 0) {
-        row_max = b.m;
-        row_exp = b.s;
-        row_sum = zs;
-      }
+    block_stats(acc, zsum, sm, ss, sz);
+    if (threadIdx.x == 0) {
+      row_max = acc.m;
+      row_exp = acc.s;
+      row_sum = zsum;
     }
     __syncthreads();
     const float lse = row_max + __logf(row_exp);
@@ -277,17 +287,7 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_one_read_kernel(CrossE
     for (int64_t j = c0 + int64_t(threadIdx.x) * kVec; j < v_end; j += int64_t(kThreads) * kVec) {
       const Chunk<T, kVec> v = *reinterpret_cast<const Chunk<T, kVec>*>(row + j);
       *reinterpret_cast<Chunk<T, kVec>*>(buf + (j - c0)) = v;
-      float z[kVec], mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        z[e] = capped(to_float(v.v[e]), cap);
-        mx = fmaxf(mx, z[e]);
-        zsum += z[e];
-      }
-      float sum = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) sum += __expf(z[e] - mx);
-      acc = combine(acc, {mx, sum});
+      fold_chunk(v, cap, acc, zsum);
     }
     for (int64_t j = (c0 > full ? c0 : full) + threadIdx.x; j < c1; j += kThreads) {
       const T v = row[j];
@@ -296,25 +296,12 @@ __global__ void __launch_bounds__(kThreads) cross_entropy_one_read_kernel(CrossE
       zsum += z;
       acc = combine(acc, {z, 1.f});
     }
-    acc = warp_lse(acc);
-    zsum = warp_sum(zsum);
-    if (lane == 0) {
-      sm[warp] = acc.m;
-      ss[warp] = acc.s;
-      sz[warp] = zsum;
-    }
-    __syncthreads();
-    if (warp == 0) {
-      Lse b = lane < kThreads / 32 ? Lse{sm[lane], ss[lane]} : Lse{-INFINITY, 0.f};
-      float zs = lane < kThreads / 32 ? sz[lane] : 0.f;
-      b = warp_lse(b);
-      zs = warp_sum(zs);
-      if (lane == 0) {
-        part[parity][0] = b.m;
-        part[parity][1] = b.s;
-        part[parity][2] = zs;
-        part[parity][3] = !bad && t >= c0 && t < c1 ? capped(to_float(buf[t - c0]), cap) : 0.f;
-      }
+    block_stats(acc, zsum, sm, ss, sz);
+    if (threadIdx.x == 0) {
+      part[parity][0] = acc.m;
+      part[parity][1] = acc.s;
+      part[parity][2] = zsum;
+      part[parity][3] = !bad && t >= c0 && t < c1 ? capped(to_float(buf[t - c0]), cap) : 0.f;
     }
     cluster.sync();
     if (warp == 0) {  // every rank's slice statistics, one lane a rank

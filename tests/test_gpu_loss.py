@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from coda import _kernels, ops
+from coda.ops.loss import dw_head_rows
 from helpers import poison_cuda_allocator, rel_err, within_torch_error
 from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
 
@@ -283,7 +284,7 @@ def test_forward_dw_is_rounded_into_its_own_bytes(v, seed):
     xl, wl = leaves(x, w)
     ops.linear_cross_entropy(xl, wl, t, recompute=False).backward(torch.tensor(0.7, device="cuda"))
     g = wl.grad
-    head = min(v, ((v + 1) // 2 + 7) // 8 * 8)
+    head = dw_head_rows(v)
     assert g.dtype == BF16 and g.shape == (v, d) and g.is_contiguous() and g.storage_offset() == 0
     assert g.untyped_storage().nbytes() == 4 * head * d
     x64, w64 = leaves(x.double(), w.double())

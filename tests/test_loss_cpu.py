@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from coda import ops
+from coda.ops.loss import dw_head_rows
 from helpers import compiled_once, cpu_stand_in
 
 
@@ -127,9 +128,9 @@ def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
         grads[1:] = [g.float() if g.numel() else g for g in grads[1:]]
         if grads[0].numel() and (x.shape[-1] * 16 <= w.shape[0] or 4 * x.numel() <= 64 << 20):
             grads[0] = grads[0].float()
-    # dW as its head rows and the rest (loss_ops.cpp's Grads: half of V up to a multiple of 8)
+    # dW as its head rows and the rest (loss_ops.cpp's Grads)
     dx, dw, db = grads
-    head = min(w.shape[0], ((w.shape[0] + 1) // 2 + 7) // 8 * 8)
+    head = dw_head_rows(w.shape[0])
     return loss, lse, dx, *((dw[:head].clone(), dw[head:].clone()) if dw.numel() else (dw, x.new_empty(0))), db
 
 

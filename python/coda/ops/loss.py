@@ -35,6 +35,12 @@ def _loss_and_lse(x, target, reduction):
     return loss, x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
+def dw_head_rows(vocab: int) -> int:
+    """The rows of W whose float32 dW the three-GEMM path keeps apart from the rest (loss_ops.cpp's Grads,
+    head_rows): half, up to a multiple of 8, so that their bytes hold all of dW in 16 bits."""
+    return min(vocab, ((vocab + 1) // 2 + 7) // 8 * 8)
+
+
 if _kernels.available():
 
     @torch.library.register_fake("coda::linear_cross_entropy")
@@ -45,9 +51,8 @@ if _kernels.available():
         # (loss_ops.cpp's dx_in_float): the backward scales them and rounds once
         dx_dtype = torch.float32 if x.shape[-1] * 16 <= weight.shape[0] or 4 * m * x.shape[-1] <= 64 << 20 \
             else x.dtype
-        # dW as its head rows and the rest (loss_ops.cpp's Grads, head_rows)
         v, d = weight.shape
-        head = min(v, ((v + 1) // 2 + 7) // 8 * 8)
+        head = dw_head_rows(v)
         dw = grad and needs[1]
         return (*_loss_and_lse(x, target, reduction),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
