@@ -1,6 +1,5 @@
 // The public API: the argument checks (the only ones on this side of the
 // library), the kernel choice (choice.cpp) and the launch (dispatch.cpp).
-#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <string>

@@ -40,6 +40,7 @@
 #include "error.h"
 #include "half_types.cuh"
 #include "kernels.h"
+#include "small_kernels.cuh"
 
 namespace coda::kernels {
 namespace {
@@ -471,11 +472,7 @@ Status launch_scale_round(const float* src, void* dst, int64_t n, const float* s
   const int64_t blocks = (n / kVec + kThreads - 1) / kThreads;
   const unsigned grid = static_cast<unsigned>(blocks < 1 ? 1 : blocks < 65536 ? blocks : 65536);
   scale_round_kernel<T><<<grid, kThreads, 0, stream>>>(src, static_cast<T*>(dst), n, scale);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return detail::fail(Status::kCudaError, std::string("scale_round launch: ") + cudaGetErrorString(e));
-  }
-  return Status::kSuccess;
+  return launched("scale_round");
 }
 
 // In place, the 16-bit result of element i lands on bytes [2i, 2i + 2) of the
@@ -507,10 +504,7 @@ __global__ void __launch_bounds__(kThreads) narrow_head_kernel(float* buf, int64
 template <class T>
 Status narrow_in_place(float* buf, int64_t n, const float* scale, cudaStream_t stream) {
   narrow_head_kernel<T><<<1, kThreads, 0, stream>>>(buf, n < kHead ? n : kHead, scale);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    return detail::fail(Status::kCudaError, std::string("scale_round launch: ") + cudaGetErrorString(e));
-  }
+  if (Status st = launched("scale_round"); st != Status::kSuccess) return st;
   for (int64_t first = kHead; first < n; first *= 2) {
     const int64_t end = first * 2 < n ? first * 2 : n;
     Status st = launch_scale_round<T>(buf + first, reinterpret_cast<T*>(buf) + first, end - first, scale, stream);
@@ -524,16 +518,11 @@ Status narrow_in_place(float* buf, int64_t n, const float* scale, cudaStream_t s
 Status scale_round(DType dtype, const float* src, void* dst, int64_t n, const float* scale, cudaStream_t stream) {
   if (n == 0) return Status::kSuccess;
   const bool in_place = static_cast<const void*>(src) == dst;
-  float* buf = const_cast<float*>(src);
-  if (dtype == DType::kBFloat16) {
-    return in_place ? narrow_in_place<__nv_bfloat16>(buf, n, scale, stream)
-                    : launch_scale_round<__nv_bfloat16>(src, dst, n, scale, stream);
-  }
-  if (dtype == DType::kFloat16) {
-    return in_place ? narrow_in_place<__half>(buf, n, scale, stream)
-                    : launch_scale_round<__half>(src, dst, n, scale, stream);
-  }
-  return detail::fail(Status::kInvalidArgument, "scale_round: dtype must be bfloat16 or float16");
+  return with_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return in_place ? narrow_in_place<T>(const_cast<float*>(src), n, scale, stream)
+                    : launch_scale_round<T>(src, dst, n, scale, stream);
+  });
 }
 
 Status scale(DType dtype, void* x, int64_t n, const float* scale, cudaStream_t stream) {
