@@ -41,6 +41,7 @@ def run(fn, inputs, dl):
 
 
 ONLY_CODA = ("chunk_tokens", "chunk_vocab", "recompute")
+RECOMPUTE = [True, False, "half"]
 
 
 def check(name, inputs, target, dl=None, tokens=None, **kw):
@@ -127,7 +128,7 @@ def test_bias_and_norm(seed):
 
 
 @pytest.mark.parametrize("chunk", [1, 100, 4096])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_chunk_sizes(chunk, recompute, seed):
     m, d, v = 1000, 512, 32000
     x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
@@ -147,14 +148,16 @@ def test_vocab_slices(cols, reduction, seed):
 
 @pytest.mark.parametrize("m,d,v", [(1000, 1024, 32000), (777, 512, 50257), (4096, 1024, 32001)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_gradients_in_the_forward(m, d, v, reduction, seed):
-    """recompute=False: the forward's gradients, scaled by the backward."""
-    x, w = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5)
-    check(f"lce forward grads {m}x{d}x{v} {reduction} seed={seed}", [x, w], targets(m, v, 0.1),
-          reduction=reduction, recompute=False, tokens=m)
+@pytest.mark.parametrize("recompute", [False, "half"])
+def test_gradients_in_the_forward(m, d, v, reduction, recompute, seed):
+    """recompute=False: the forward's gradients, scaled by the backward; "half": dW's second half of rows
+    from the backward's recomputed logits."""
+    x, w, b = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), rand(v, dtype=BF16)
+    check(f"lce forward grads {m}x{d}x{v} {reduction} recompute={recompute} seed={seed}", [x, w, b],
+          targets(m, v, 0.1), reduction=reduction, recompute=recompute, tokens=m)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_a_target_out_of_range_is_nan(recompute):
     """A bad label never trains silently: its row's loss and gradients are NaN (torch asserts on the device)."""
     x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
@@ -170,18 +173,19 @@ def test_a_target_out_of_range_is_nan(recompute):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fp16_gradients_in_the_forward(reduction, seed):
+@pytest.mark.parametrize("recompute", [False, "half"])
+def test_fp16_gradients_in_the_forward(reduction, recompute, seed):
     """Few classes, large dW rows: recompute=False's float32 dW and its prescaled fp16 gradients stay finite and
     within torch's error."""
     m, d, v = 2048, 512, 8000
     x, w = rand(m, d, dtype=torch.float16), rand(v, d, dtype=torch.float16, scale=d**-0.5)
     t = torch.randint(0, 8, (m,), device="cuda")  # few classes: large dW rows
-    check(f"lce fp16 forward grads {reduction} seed={seed}", [x, w], t, reduction=reduction, recompute=False,
-          tokens=m)
+    check(f"lce fp16 forward grads {reduction} recompute={recompute} seed={seed}", [x, w], t, reduction=reduction,
+          recompute=recompute, tokens=m)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_all_ignored_gradients_are_zero(reduction, recompute):
     x, w, b = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5), rand(1000, dtype=BF16)
     t = torch.full((64,), -100, device="cuda")
@@ -191,7 +195,7 @@ def test_all_ignored_gradients_are_zero(reduction, recompute):
     assert all(torch.all(g == 0) for g in (xl.grad, wl.grad, bl.grad))
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_all_ignored_is_nan_with_zero_gradients(recompute):
     x, w = rand(64, 256, dtype=BF16), rand(1000, 256, dtype=BF16, scale=256**-0.5)
     t = torch.full((64,), -100, device="cuda")
@@ -223,7 +227,7 @@ def test_tied_embedding(seed):
                        numel=m * d)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_peak_memory_is_an_eighth_of_the_fp32_logits(recompute):
     m, d, v = 8192, 1024, 32000
     x, w, t = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v)
@@ -236,8 +240,9 @@ def test_peak_memory_is_an_eighth_of_the_fp32_logits(recompute):
     ops.linear_cross_entropy(xl, wl, t, recompute=recompute).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - x.nbytes - w.nbytes  # beyond the two gradients
-    # recompute=False also holds a float32 dW, whose first half of bytes becomes the gradient
-    bound = m * v * 4 / 8 + (0 if recompute else 2 * v * d)
+    # recompute=False also holds a float32 dW, whose first half of bytes becomes the gradient; "half" holds only
+    # that first half
+    bound = m * v * 4 / 8 + (2 * v * d if recompute is False else 0)
     assert extra <= bound + (4 << 20), f"extra {extra / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
 
 
@@ -274,15 +279,17 @@ def test_one_read_is_off_by_default():
 
 
 @pytest.mark.parametrize("v", [32000, 32003, 50257, 9])
-def test_forward_dw_is_rounded_into_its_own_bytes(v, seed):
+@pytest.mark.parametrize("recompute", [False, "half"])
+def test_forward_dw_is_rounded_into_its_own_bytes(v, recompute, seed):
     """recompute=False: dW's float32 head rows are rounded in place and its tail after them (coda::scale_round
-    over log2 launches), so the bf16 gradient is those bytes: contiguous, no other buffer kept, and the values
+    over log2 launches; "half": the recomputed rows written there), so the bf16 gradient is those bytes:
+    contiguous, no other buffer kept, and the values
     those of scaling and rounding the float32 dW once (the three-GEMM path's, recompute=True within torch's
     error of float64 in test_gradients_in_the_forward)."""
     m, d = 300, 256
     x, w, t = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v, 0.1)
     xl, wl = leaves(x, w)
-    ops.linear_cross_entropy(xl, wl, t, recompute=False).backward(torch.tensor(0.7, device="cuda"))
+    ops.linear_cross_entropy(xl, wl, t, recompute=recompute).backward(torch.tensor(0.7, device="cuda"))
     g = wl.grad
     head = dw_head_rows(v)
     assert g.dtype == BF16 and g.shape == (v, d) and g.is_contiguous() and g.storage_offset() == 0
@@ -291,11 +298,11 @@ def test_forward_dw_is_rounded_into_its_own_bytes(v, seed):
     (0.7 * F.cross_entropy(F.linear(x64, w64), t)).backward()
     xb, wb = leaves(x, w)
     (0.7 * F.cross_entropy(F.linear(xb, wb).float(), t)).backward()
-    within_torch_error(f"lce in-place dW v={v} seed={seed}", rel_err(g, w64.grad), rel_err(wb.grad, w64.grad),
-                       numel=v * d)
+    within_torch_error(f"lce in-place dW v={v} recompute={recompute} seed={seed}", rel_err(g, w64.grad),
+                       rel_err(wb.grad, w64.grad), numel=v * d)
 
 
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_gemms_leave_torchs_cublas_switch(recompute, seed):
     """The head's GEMMs reduce in float32 by their own handle's math mode: torch's process-wide switch for
     16-bit reductions is neither flipped nor read (bit-identical results under either setting)."""
@@ -322,21 +329,24 @@ def test_op_check_and_compile(seed):
     x, w, t = rand(100, 256, dtype=BF16), rand(3001, 256, dtype=BF16, scale=256**-0.5), targets(100, 3001, 0.1)
     b = rand(3001, dtype=BF16)
     for red in (0, 1, 2):
-        for recompute in (True, False):
+        for recompute in (0, 1, 2):  # False, True, "half"
             torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
                                   (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 32, recompute, 1000))
     lse = torch.logsumexp(F.linear(x, w, b).float(), -1)
     torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
                           (torch.tensor(0.3, device="cuda"), x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 1000,
-                           [True, True, True]), test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
-                          (x, w, b, t, -100, 0.0, 20.0, 0.0, 1, 0, [True, True, True]))
-    xl, wl = leaves(x, w)
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x, w: ops.linear_cross_entropy(x, w, t, label_smoothing=0.1), fullgraph=True)
-    fn(xl, wl).backward()
-    xe, we = leaves(x, w)
-    ops.linear_cross_entropy(xe, we, t, label_smoothing=0.1).backward()
-    torch.testing.assert_close(xl.grad, xe.grad)
-    torch.testing.assert_close(wl.grad, we.grad)
-    torch._dynamo.reset()
+                           [True, True, True], 1500), test_utils=("test_schema", "test_faketensor"))
+    for dw_tail in (True, False):
+        torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
+                              (x, w, b, t, -100, 0.0, 20.0, 0.0, 1, 0, [True, True, True], dw_tail))
+    for recompute in RECOMPUTE:
+        xl, wl = leaves(x, w)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, w: ops.linear_cross_entropy(x, w, t, label_smoothing=0.1, recompute=recompute),
+                           fullgraph=True)
+        fn(xl, wl).backward()
+        xe, we = leaves(x, w)
+        ops.linear_cross_entropy(xe, we, t, label_smoothing=0.1, recompute=recompute).backward()
+        torch.testing.assert_close(xl.grad, xe.grad)
+        torch.testing.assert_close(wl.grad, we.grad)
+        torch._dynamo.reset()

@@ -527,8 +527,9 @@ def test_causal_lm_loss_matches_hf():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_lm_head_recompute_reaches_the_loss(family, monkeypatch):
-    """coda.patch(model, lm_head_recompute=False) (or model.lm_head.recompute) picks the
-    loss's three-GEMM backward; the default leaves the op's own (recompute)."""
+    """coda.patch(model, lm_head_recompute=False or "half") (or model.lm_head.recompute) picks
+    the loss's three- or three-and-a-half-GEMM backward; the default leaves the op's own
+    (recompute); anything else is refused by name."""
     seen = []
 
     def spy(*args, recompute=True, **kw):
@@ -543,4 +544,8 @@ def test_lm_head_recompute_reaches_the_loss(family, monkeypatch):
     model(ids, labels=ids)
     model.lm_head.recompute = True
     model(ids, labels=ids)
-    assert seen == [True, False, True]
+    coda.patch(model, lm_head_recompute="half")
+    model(ids, labels=ids)
+    assert seen == [True, False, True, "half"]
+    with pytest.raises(ValueError, match="lm_head_recompute must be True, False or 'half', got 'tail'"):
+        coda.patch(model, lm_head_recompute="tail")

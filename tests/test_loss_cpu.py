@@ -1,17 +1,20 @@
 """CPU tests of the LM head + cross-entropy: the reference path
 against torch.nn.functional.cross_entropy's semantics (ignore_index, the
 three reductions, label smoothing, an all-ignored batch) and against the
-formulas for softcapping and z-loss; the argument errors; and the kernel
-path's op call, fakes and C++ autograd through a CPU stand-in for the op,
-eager and under torch.compile(fullgraph=True)."""
+formulas for softcapping and z-loss; the argument errors; and the loss
+ops' host registration: the C++ orchestration the GPU runs (chunks of
+tokens, slices of the vocabulary, the three recompute modes, the float32 dW
+in the gradient's own bytes, the scaling in the backward) on CPU tensors,
+every output and gradient against float64 within the error of torch's
+unfused bf16 path, its fakes by opcheck, and torch.compile(fullgraph=True)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from coda import ops
+from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
-from helpers import compiled_once, cpu_stand_in
+from helpers import rel_err, within_torch_error
 
 
 def _data(m=40, d=16, v=37, seed=0, ignored=0.25):
@@ -103,118 +106,203 @@ def test_errors_name_the_argument():
         op(x, w[:0], t)
 
 
-# ---- the kernel path's call, its fakes and its C++ autograd (a CPU stand-in for the op)
+# ---- the loss ops' host registration: the kernel path's orchestration on CPU tensors
 
-def _grads(x, w, b, t, ii, ls, cap, z, scale, needs):
-    """The gradients in closed form (the stand-in runs below autograd):
-    d loss / d logits = softmax - (1 - ls)·onehot - ls/V on rows not ignored,
-    times scale: () or one per row."""
-    assert not cap and not z, "the stand-in covers label smoothing only"
-    logits = F.linear(x, w, b)
-    valid = (t != ii).to(x.dtype)[:, None]
-    onehot = F.one_hot(t.clamp_min(0), w.shape[0]).to(x.dtype)
-    g = (logits.softmax(-1) - (1 - ls) * onehot - ls / w.shape[0]) * valid * scale.reshape(-1, 1)
-    full = [g @ w, g.t() @ x, g.sum(0) if b is not None else None]
-    return [f if n and f is not None else x.new_empty(0) for f, n in zip(full, needs)]
-
-
-def _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, needs):
-    loss = ops.linear_cross_entropy_reference(x, w, t, b, ignore_index=ii, label_smoothing=ls, softcap=cap or None,
-                                              z_loss=z, reduction=["none", "mean", "sum"][red]).float()
-    lse = torch.logsumexp(F.linear(x, w, b).float(), -1).reshape(-1)
-    # the gradients of the rows' sum (the backward scales them), dW and db in float32, and dX where D ≤ V/16
-    grads = _grads(x, w, b, t, ii, ls, cap, z, torch.ones(()), needs) if red else [x.new_empty(0) for _ in range(3)]
-    if red:
-        grads[1:] = [g.float() if g.numel() else g for g in grads[1:]]
-        if grads[0].numel() and (x.shape[-1] * 16 <= w.shape[0] or 4 * x.numel() <= 64 << 20):
-            grads[0] = grads[0].float()
-    # dW as its head rows and the rest (loss_ops.cpp's Grads)
-    dx, dw, db = grads
-    head = dw_head_rows(w.shape[0])
-    return loss, lse, dx, *((dw[:head].clone(), dw[head:].clone()) if dw.numel() else (dw, x.new_empty(0))), db
-
-
-def _lce_backward_cpu(grad, x, w, b, t, lse, ii, ls, cap, z, chunk, needs):
-    return tuple(_grads(x, w, b, t, ii, ls, cap, z, grad, needs))
-
-
-def _lce_loss_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, recompute, chunk_vocab):
-    return _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, [False] * 3)[:2]
-
-
-def _lce_sliced_cpu(x, w, b, t, ii, ls, cap, z, red, chunk):
-    return _lce_cpu(x, w, b, t, ii, ls, cap, z, red, chunk, [False] * 3)[:2]
+BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    yield from cpu_stand_in(monkeypatch, {"linear_cross_entropy": _lce_cpu,
-                                          "linear_cross_entropy_backward": _lce_backward_cpu,
-                                          "linear_cross_entropy_loss": _lce_loss_cpu,
-                                          "linear_cross_entropy_sliced": _lce_sliced_cpu})
+def host(monkeypatch):
+    """Every call takes the kernel path (the public API keeps CPU tensors on the reference path)."""
+    if not _kernels.available():
+        pytest.skip(f"the extension coda._C is not built ({_kernels.LOAD_ERROR})")
+    monkeypatch.setattr(_kernels, "use_kernels", lambda op, x, dtypes, sizes, unsupported=None: unsupported is None)
 
 
+def _inputs(m, d, v, dtype=BF16, seed=0, ignored=0.1, scale=1.0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=g).to(dtype)
+    w = (torch.randn(v, d, generator=g) * scale * d**-0.5).to(dtype)
+    t = torch.randint(0, v, (m,), generator=g)
+    drop = torch.rand(m, generator=g) < ignored
+    drop[0] = False
+    t[drop] = -100
+    b = torch.randn(v, generator=g).to(dtype) if bias else None
+    return x, w, b, t
+
+
+def _run(fn, x, w, b, dl):
+    ins = [None if v is None else v.detach().requires_grad_(True) for v in (x, w, b)]
+    loss = fn(*ins)
+    loss.backward(dl)
+    return loss.detach(), [None if v is None else v.grad for v in ins]
+
+
+def check_host(name, x, w, b, t, dl=None, **kw):
+    """coda's host path and torch's bf16 path, each against float64, per output and gradient."""
+    only_coda = ("chunk_tokens", "chunk_vocab", "recompute")
+    ref_kw = {k: v for k, v in kw.items() if k not in only_coda}
+    if dl is None:
+        dl = torch.randn(t.shape) if kw.get("reduction") == "none" else torch.tensor(1.7)
+    loss, grads = _run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), x, w, b, dl)
+    loss64, grads64 = _run(lambda x, w, b: ops.linear_cross_entropy_reference(x, w, t, b, **ref_kw),
+                           x.double(), w.double(), None if b is None else b.double(), dl.double())
+    losst, gradst = _run(lambda x, w, b: ops.linear_cross_entropy_reference(x, w, t, b, **ref_kw), x, w, b, dl)
+    within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
+    for nm, g, g64, gt in zip(("x", "weight", "bias"), grads, grads64, gradst):
+        if g64 is not None:
+            assert g.dtype == gt.dtype and g.shape == gt.shape, (nm, g.dtype, g.shape)
+            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), numel=g64.numel())
+    return loss, grads
+
+
+RECOMPUTE = [True, False, "half"]
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("recompute", [True, False])
-def test_kernel_path_autograd(stand_in, reduction, bias, recompute):
-    x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
-    b = b if bias else None
-    dl = torch.randn(t.shape) if reduction == "none" else torch.tensor(1.3)
-
-    def grads_of(fn):
-        ins = [v.detach().requires_grad_(True) if v is not None else None for v in (x, w, b)]
-        loss = fn(ins)
-        loss.backward(dl)
-        return loss.detach(), [v.grad for v in ins if v is not None]
-
-    def coda_fn(ins):
-        return ops.linear_cross_entropy(ins[0], ins[1], t, ins[2], reduction=reduction, label_smoothing=0.1,
-                                        recompute=recompute)
-
-    def ref_fn(ins):
-        return ops.linear_cross_entropy_reference(ins[0], ins[1], t, ins[2], reduction=reduction,
-                                                  label_smoothing=0.1)
-
-    loss, grads = grads_of(coda_fn)
-    loss_ref, grads_ref = grads_of(ref_fn)
-    torch.testing.assert_close(loss, loss_ref)
-    for g, r in zip(grads, grads_ref):
-        torch.testing.assert_close(g, r)
-    with torch.no_grad():
-        compiled = compiled_once(lambda: coda_fn([x, w, b]))
-    torch.testing.assert_close(compiled, loss)
+@pytest.mark.parametrize("m,d,v", [(200, 64, 37), (96, 32, 1003), (64, 16, 4099)])
+def test_host_path_against_float64(host, m, d, v, reduction, recompute):
+    x, w, b, t = _inputs(m, d, v, bias=True)
+    check_host(f"host {m}x{d}x{v} {reduction} recompute={recompute}", x, w, b, t, reduction=reduction,
+               recompute=recompute)
 
 
-def test_kernel_path_fakes(stand_in):
-    x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
-    for red in (0, 1, 2):
-        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
-                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 8, True, 16),
-                              test_utils=("test_schema", "test_faketensor"))
-        torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
-                              (x, w, b, t, -100, 0.0, 0.0, 0.0, red, 8, [True, True, True]),
-                              test_utils=("test_schema", "test_faketensor"))
-    lse = torch.logsumexp(F.linear(x, w, b), -1)
-    for red in (0, 1, 2):
-        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_sliced.default,
-                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 16), test_utils=("test_schema", "test_faketensor"))
-    for grad in (torch.tensor(0.3), torch.randn(t.shape)):
-        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
-                              (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16, [True, True, True]),
-                              test_utils=("test_schema", "test_faketensor"))
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("option", [dict(label_smoothing=0.1), dict(softcap=3.0), dict(z_loss=1e-3),
+                                    dict(label_smoothing=0.05, softcap=2.0, z_loss=1e-2, ignore_index=7)])
+def test_host_path_options(host, option, recompute):
+    x, w, b, t = _inputs(150, 32, 1003, scale=3.0)
+    if "ignore_index" in option:
+        t[t == -100] = option["ignore_index"]
+    check_host(f"host {option} recompute={recompute}", x, w, b, t, recompute=recompute, **option)
 
 
-def test_forward_gradients_allow_one_backward(stand_in):
-    """recompute=False scales the forward's gradients in place: a second backward would scale them twice."""
-    x, w, b, t = (v.float() if v.is_floating_point() else v for v in _data())
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("chunks", [dict(chunk_tokens=1), dict(chunk_tokens=7, chunk_vocab=16),
+                                    dict(chunk_tokens=64, chunk_vocab=300), dict(chunk_vocab=1)])
+def test_host_chunks_and_slices(host, chunks, recompute):
+    """Many chunks of tokens and slices of the vocabulary, the last of each short; targets in every slice."""
+    x, w, b, t = _inputs(101, 32, 1003, bias=True)
+    check_host(f"host {chunks} recompute={recompute}", x, w, b, t, recompute=recompute, label_smoothing=0.1,
+               **chunks)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_host_fp16_prescaled_mean(host, reduction, recompute):
+    """fp16: a mean's forward gradients come prescaled (they would underflow); few classes, large dW rows."""
+    x, w, _, t = _inputs(512, 32, 600, dtype=torch.float16, ignored=0.2)
+    t[t >= 0] %= 8
+    check_host(f"host fp16 {reduction} recompute={recompute}", x, w, None, t, reduction=reduction,
+               recompute=recompute)
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_host_all_ignored(host, recompute):
+    x, w, b, t = _inputs(40, 16, 37, bias=True)
+    t[:] = -100
+    for reduction in ("mean", "sum", "none"):
+        ins = [v.detach().requires_grad_(True) for v in (x, w, b)]
+        loss = ops.linear_cross_entropy(*ins[:2], t, ins[2], reduction=reduction, recompute=recompute)
+        assert torch.isnan(loss) if reduction == "mean" else torch.all(loss == 0)
+        loss.sum().backward()
+        assert all(torch.all(v.grad == 0) for v in ins), reduction
+
+
+@pytest.mark.parametrize("recompute", [False, "half"])
+@pytest.mark.parametrize("v", [37, 1003, 9])
+def test_host_dw_in_its_own_bytes(host, v, recompute):
+    """The bf16 dW is the float32 head's bytes: the head rounded in place, the rest after it (False: the
+    forward's tail; "half": recomputed into them), no other buffer; "half" holds no tail from the forward."""
+    x, w, _, t = _inputs(60, 16, v)
+    wl = w.detach().requires_grad_(True)
+    loss = ops.linear_cross_entropy(x, wl, t, recompute=recompute)
+    loss.backward(torch.tensor(0.7))
+    g = wl.grad
+    assert g.dtype == BF16 and g.shape == (v, 16) and g.is_contiguous() and g.storage_offset() == 0
+    assert g.untyped_storage().nbytes() == 4 * dw_head_rows(v) * 16
+    args = (x, w, None, t, -100, 0.0, 0.0, 0.0, 1, 0, [False, True, False])
+    tail = torch.ops.coda.linear_cross_entropy.default(*args, recompute is False)[4]
+    assert tail.numel() == (0 if recompute == "half" else (v - dw_head_rows(v)) * 16)
+
+
+def test_host_backward_of_a_class_range(host):
+    """linear_cross_entropy_backward over classes [first_class, V): the rows of the whole one."""
+    x, w, b, t = _inputs(50, 16, 101, bias=True)
+    lse = torch.logsumexp(F.linear(x, w, b).float(), -1)
+    grad = torch.tensor(0.3)
+    args = (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16)
+    _, dw, db = torch.ops.coda.linear_cross_entropy_backward.default(*args, [True, True, True], 0)
+    _, dw2, db2 = torch.ops.coda.linear_cross_entropy_backward.default(*args, [False, True, True], 56)
+    assert dw2.shape == (45, 16) and db2.shape == (45,)
+    torch.testing.assert_close(dw2, dw[56:], rtol=0, atol=0)
+    torch.testing.assert_close(db2, db[56:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recompute", [False, "half"])
+def test_host_forward_gradients_allow_one_backward(host, recompute):
+    """recompute=False and "half" scale the forward's gradients in place: a second backward would scale them
+    twice; the recomputing backward runs again."""
+    x, w, _, t = _inputs(40, 16, 37)
     xl = x.detach().requires_grad_(True)
-    loss = ops.linear_cross_entropy(xl, w, t, recompute=False)
+    loss = ops.linear_cross_entropy(xl, w, t, recompute=recompute)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="runs one backward"):
         loss.backward()
     xr = x.detach().requires_grad_(True)
     loss = ops.linear_cross_entropy(xr, w, t)
     loss.backward(retain_graph=True)
-    loss.backward()  # the recomputing backward runs again
-    torch.testing.assert_close(xr.grad, 2 * xl.grad)
+    loss.backward()
+    assert rel_err(xr.grad, 2 * xl.grad) < 1e-2  # two paths, each rounded once
+
+
+def test_host_recompute_values_are_checked(host):
+    x, w, _, t = _inputs(40, 16, 37)
+    with pytest.raises(ValueError, match="recompute must be True, False or 'half', got 'tail'"):
+        ops.linear_cross_entropy(x, w, t, recompute="tail")
+    with pytest.raises(RuntimeError, match=r"recompute code must be 0 \(False\), 1 \(True\) or 2 .*, got 3"):
+        torch.ops.coda.linear_cross_entropy_loss.default(x, w, None, t, -100, 0.0, 0.0, 0.0, 1, 0, 3, 0)
+
+
+def test_host_fakes(host):
+    """Each op's fake against its host kernel: shapes, dtypes, strides (opcheck)."""
+    x, w, b, t = _inputs(60, 16, 101, bias=True)
+    for red in (0, 1, 2):
+        for recompute in (0, 1, 2):
+            torch.library.opcheck(torch.ops.coda.linear_cross_entropy_loss.default,
+                                  (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 8, recompute, 16),
+                                  test_utils=("test_schema", "test_faketensor"))
+        for dw_tail in (True, False):
+            torch.library.opcheck(torch.ops.coda.linear_cross_entropy.default,
+                                  (x, w, b, t, -100, 0.0, 2.0, 0.0, red, 8, [True, True, True], dw_tail),
+                                  test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(torch.ops.coda.linear_cross_entropy_sliced.default,
+                              (x, w, b, t, -100, 0.1, 0.0, 0.0, red, 16), test_utils=("test_schema", "test_faketensor"))
+    lse = torch.logsumexp(F.linear(x, w, b).float(), -1)
+    for grad in (torch.tensor(0.3), torch.randn(t.shape)):
+        for first in (0, 56):
+            torch.library.opcheck(torch.ops.coda.linear_cross_entropy_backward.default,
+                                  (grad, x, w, b, t, lse, -100, 0.1, 0.0, 0.0, 16, [True, True, True], first),
+                                  test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+def test_host_compiled(host, recompute):
+    """torch.compile(fullgraph=True) traces the op and its backward (out of place while traced): the same
+    loss and gradients as eager."""
+    x, w, b, t = _inputs(60, 16, 101, bias=True)
+
+    def fn(x, w, b):
+        return ops.linear_cross_entropy(x, w, t, b, label_smoothing=0.1, recompute=recompute, chunk_tokens=16,
+                                        chunk_vocab=32)
+
+    eager = _run(fn, x, w, b, torch.tensor(1.3))
+    torch._dynamo.reset()
+    try:
+        compiled = _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), x, w, b, torch.tensor(1.3))
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(compiled[0], eager[0])
+    for g, e in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(g, e)

@@ -69,13 +69,21 @@ void matmul(at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float beta)
   TORCH_CHECK(a.scalar_type() == b.scalar_type() &&
                   (c.scalar_type() == a.scalar_type() || c.scalar_type() == at::kFloat),
               "coda: blas::matmul: operands ", a.scalar_type(), ", ", b.scalar_type(), " into ", c.scalar_type());
-  TORCH_CHECK(a.is_cuda() && b.is_cuda() && c.is_cuda(), "coda: blas::matmul takes CUDA tensors");
+  TORCH_CHECK(a.device() == c.device() && b.device() == c.device() && (c.is_cuda() || c.is_cpu()),
+              "coda: blas::matmul takes CUDA tensors (or CPU ones: the loss ops' host registration), got ",
+              a.device(), ", ", b.device(), " into ", c.device());
   TORCH_CHECK(c.stride(1) == 1 && c.stride(0) >= std::max<int64_t>(1, c.size(1)),
               "coda: blas::matmul: c needs unit column stride, has strides ", c.strides());
   const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
   if (m == 0 || n == 0) return;
   if (k == 0) {
     beta == 0.f ? c.zero_() : c.mul_(beta);
+    return;
+  }
+  if (c.is_cpu()) {  // the same contract in float32, rounded once into c
+    at::Tensor r = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+    if (beta != 0.f) r.add_(c.to(at::kFloat), beta);
+    c.copy_(r);
     return;
   }
   // Column-major cuBLAS computes cᵀ (n, m) = bᵀ (n, k) · aᵀ (k, m).

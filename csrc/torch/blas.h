@@ -16,7 +16,8 @@ namespace coda::torch_ops::blas {
 // c = a·b + beta·c, computed and reduced in float32, on the current stream.
 // a (M, K) and b (K, N) of one 16-bit dtype, each with a unit stride in
 // either dimension (anything else is copied); c (M, N) of a's dtype or
-// float32, with unit column stride. beta 0 does not read c.
+// float32, with unit column stride. beta 0 does not read c. CPU tensors (the
+// loss ops' host registration) take the same contract through at::mm.
 void matmul(at::Tensor& c, const at::Tensor& a, const at::Tensor& b, float beta);
 
 }  // namespace coda::torch_ops::blas

@@ -1,9 +1,9 @@
 // The LM head + cross-entropy, with no (tokens, vocab) tensor in memory.
 //
-// Two ways to the gradients, chosen per call (`recompute`):
+// Three ways to the gradients, chosen per call (`recompute`):
 //
-// recompute (the default): the forward runs the LM-head GEMM by slices of
-// the vocabulary (every token, a slice of W's rows) into one reused buffer
+// recompute (kAll, the default): the forward runs the LM-head GEMM by slices
+// of the vocabulary (every token, a slice of W's rows) into one reused buffer
 // and the cross-entropy kernel (csrc/cross_entropy_kernels.cu) folds each
 // slice into the rows' running log-sum-exp and loss; nothing outlives it but
 // the lse. The backward, where the upstream gradient is known, recomputes
@@ -13,21 +13,35 @@
 // float32): each gradient is rounded once, as torch's unfused path rounds
 // it. Four GEMMs.
 //
-// in the forward (recompute false, mean and sum only): per chunk of tokens
-// the kernel writes d loss / d logits over the logits and two GEMMs take it
-// to dX (the chunk's rows, complete) and dW (summed over the chunks in
-// float32: in W's dtype each of the ≥ 4 chunks under the memory bound would
-// round it again, where torch's one GEMM rounds once); the backward scales them by the upstream gradient
-// and rounds once. Three GEMMs, and a float32 dW held from the forward to
-// the backward.
+// in the forward (kNothing, recompute false; mean and sum only): per chunk
+// of tokens the kernel writes d loss / d logits over the logits and two GEMMs
+// take it to dX (the chunk's rows, complete) and dW (summed over the chunks
+// in float32: in W's dtype each of the ≥ 4 chunks under the memory bound
+// would round it again, where torch's one GEMM rounds once); the backward
+// scales them by the upstream gradient and rounds once. Three GEMMs, and a
+// float32 dW held from the forward to the backward (4 bytes a weight, of
+// which the 16-bit gradient ends up using 2: see Grads).
+//
+// half (kTail, recompute="half"): as kNothing, but the forward sums only dW's
+// head rows (half of V) in float32, whose bytes are exactly the 16-bit
+// gradient's; the backward rounds them in place and recomputes the tail's
+// logits by slices of all tokens, as kAll does for every slice, straight into
+// the gradient's second half. Three and a half GEMMs, and no memory for dW
+// beyond the gradient itself. The tail's logits come from other GEMMs than
+// the forward's chunks (same values up to the GEMMs' summation order).
 //
 // Either way the peak extra memory is one buffer of logits in x's dtype and
 // a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
-// problems may take 16 MiB of logits and a 64 MiB dX); recompute false adds
-// the float32 dW (4 bytes per weight), which the backward rounds into its own
-// bytes (Grads). The lm_head benchmark times both.
+// problems may take 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
+// times all three. On CPU tensors the same code runs with host kernels
+// (host_kernels.h), for tests.
+#include <ATen/DeviceGuard.h>
+
+#include <functional>
+
 #include "autograd.h"
 #include "blas.h"
+#include "host_kernels.h"
 #include "tensors.h"
 
 namespace coda::torch_ops {
@@ -36,10 +50,32 @@ namespace {
 
 enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2 };
 
+// What the backward recomputes: nothing (the forward formed the gradients),
+// every slice of the vocabulary, or the slices past dW's head rows.
+enum Recompute : int64_t { kNothing = 0, kAll = 1, kTail = 2 };
+
 struct CeParams {
   int64_t ignore_index;
   double label_smoothing, softcap, z_loss;
 };
+
+// coda.h's kernels on the current stream; for CPU tensors their host
+// versions (host_kernels.h), so that these ops run and are tested there.
+void cross_entropy_on(const Tensor& like, const CrossEntropyArgs& a) {
+  if (like.is_cpu()) return host::cross_entropy(like.scalar_type(), a);
+  check(coda::cross_entropy(dtype_of(like), a, stream()), "cross_entropy");
+}
+
+// into `out`'s dtype; dst is out's data or, in place, src
+void scale_round_on(const Tensor& out, const float* src, void* dst, int64_t n, const float* scale) {
+  if (out.is_cpu()) return host::scale_round(out.scalar_type(), src, dst, n, scale);
+  check(coda::scale_round(dtype_of(out), src, dst, n, scale, stream()), "scale_round");
+}
+
+void scale_on(const Tensor& t, const float* scale) {
+  if (t.is_cpu()) return host::scale(t.scalar_type(), t.data_ptr(), t.numel(), scale);
+  check(coda::scale(dtype_of(t), t.data_ptr(), t.numel(), scale, stream()), "scale");
+}
 
 // Tokens per chunk: one chunk of logits (rows padded to 8) and `reserve`
 // bytes (a float32 dX) within 1/8 of the fp32 logits (at least 16 MiB), so
@@ -144,7 +180,7 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     a.grad_scale = grad_scale;
     a.loss = loss.data_ptr<float>() + s;
     a.lse = lse.data_ptr<float>() + s;
-    check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
+    cross_entropy_on(x, a);
     if (needs[0]) {
       Tensor dxc = g.dx.narrow(0, s, len);
       product(dxc, z, w, false);
@@ -152,7 +188,7 @@ std::pair<Tensor, Tensor> run_chunks(const Tensor& x, const Tensor& w, const Opt
     if (needs[1]) {
       const int64_t head = g.dw.size(0);
       product(g.dw, z.t().narrow(0, 0, head), xc, s > 0);
-      if (n > head) product(g.dw_tail, z.t().narrow(0, head, n - head), xc, s > 0);
+      if (g.dw_tail.numel() > 0) product(g.dw_tail, z.t().narrow(0, head, n - head), xc, s > 0);
     }
     if (needs[2]) db32.add_(z.sum(0, false, at::kFloat));
   }
@@ -207,15 +243,16 @@ bool prescaled(int64_t reduction, const Tensor& x) { return reduction == kMean &
 Tensor prescale_of(const Tensor& count) { return at::exp2(-at::floor(at::log2(count) * 0.5)); }
 
 // -> (loss: () for mean/sum, target's shape for none; lse (m,); where
-// `needs` (mean and sum), dx, dw (its head and tail rows), db of the sum of the rows' losses, which
+// `needs` (mean and sum), dx, dw (its head rows, and the tail's where
+// dw_tail: else the backward recomputes those), db of the sum of the rows' losses, which
 // the backward scales by the upstream gradient (over the valid rows for a
 // mean; prescaled, by what prescale_of left): d loss / d logits is rounded before that scale,
 // and unscaled its target entries (≈ −1) round almost exactly.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
     const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_, int64_t ignore_index,
     double label_smoothing, double softcap, double z_loss, int64_t reduction, int64_t chunk,
-    std::array<bool, 3> needs) {
-  c10::cuda::CUDAGuard guard(x_.device());
+    std::array<bool, 3> needs, bool dw_tail) {
+  const at::OptionalDeviceGuard guard(at::device_of(x_));
   expect_reduction(reduction);
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0);
@@ -227,7 +264,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   const int64_t head = head_rows(w.size(0));
   const auto f32_rows = [&](int64_t rows) { return at::empty({rows, w.size(1)}, w.options().dtype(at::kFloat)); };
   Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
-          needs[1] ? f32_rows(head) : none(x), needs[1] ? f32_rows(w.size(0) - head) : none(x), none(x)};
+          needs[1] ? f32_rows(head) : none(x), needs[1] && dw_tail ? f32_rows(w.size(0) - head) : none(x), none(x)};
   const bool grad = needs[0] || needs[1] || needs[2];
   const Tensor inv = grad && prescaled(reduction, x) ? prescale_of(count_of(target, ignore_index)) : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
@@ -260,7 +297,7 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
                                                        const Tensor& target_, int64_t ignore_index,
                                                        double label_smoothing, double softcap, double z_loss,
                                                        int64_t reduction, int64_t chunk) {
-  c10::cuda::CUDAGuard guard(x_.device());
+  const at::OptionalDeviceGuard guard(at::device_of(x_));
   expect_reduction(reduction);
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy");
   const int64_t m = x.size(0), n = w.size(0);
@@ -279,22 +316,26 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_sliced(const Tensor& x_, const T
     a.vocab = n;
     a.loss = loss.data_ptr<float>();
     a.lse = lse.data_ptr<float>();
-    check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
+    cross_entropy_on(x, a);
   }
   return {reduced(loss, target, target_, ignore_index, reduction), lse};
 }
 
-// The recomputing backward: grad () scales every row, or (target's shape)
-// each row (reduction none); lse (m,) from the forward.
-std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
-    const Tensor& grad, const Tensor& x_, const Tensor& weight, const OptTensor& bias, const Tensor& target_,
-    const Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
-    std::array<bool, 3> needs) {
-  c10::cuda::CUDAGuard guard(x_.device());
+// The recomputing backward over the classes [first, V): grad () scales
+// every row, or (target's shape) each row (reduction none); lse (m,) from the
+// forward. -> dX and db of those classes, and dW's rows of them, (V − first, D)
+// in W's dtype: into `dw_into` where given (rows of a gradient the forward
+// began, recompute="half"), else a new tensor.
+std::tuple<Tensor, Tensor, Tensor> backward_slices(const Tensor& grad, const Tensor& x_, const Tensor& weight,
+                                                   const OptTensor& bias, const Tensor& target_, const Tensor& lse,
+                                                   const CeParams& p, int64_t chunk, std::array<bool, 3> needs,
+                                                   int64_t first, Tensor* dw_into) {
+  const at::OptionalDeviceGuard guard(at::device_of(x_));
   auto [x, w] = head_operands(x_, weight, "linear_cross_entropy_backward");
   const int64_t m = x.size(0), n = w.size(0);
   expect(lse.numel() == m && lse.scalar_type() == at::kFloat,
          "linear_cross_entropy_backward: lse must be float32 with one value per row of x");
+  expect(first >= 0 && first <= n, "linear_cross_entropy_backward: first_class must be in [0, V]");
   Tensor target = target_of(target_, m), l = lse.reshape({m}).contiguous();
   const bool per_row = grad.dim() > 0;
   expect(!per_row || grad.numel() == m, "linear_cross_entropy_backward: grad must be a scalar or one per row");
@@ -304,17 +345,18 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
   // (one rounding per slice).
   const bool dx_float = needs[0] && dx_in_float(x, w);
   Tensor dx = needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x);
-  Tensor dw = needs[1] ? at::empty_like(w) : none(x);
-  Tensor db = needs[2] ? at::empty({n}, w.options().dtype(bias->scalar_type())) : none(x);
-  if (m == 0) {
+  Tensor dw = !needs[1] ? none(x) : dw_into != nullptr ? *dw_into : at::empty({n - first, w.size(1)}, w.options());
+  expect(!needs[1] || (dw.size(0) == n - first && dw.size(1) == w.size(1) && dw.scalar_type() == w.scalar_type()),
+         "linear_cross_entropy_backward: dW's rows must be (V - first_class, D) in W's dtype");
+  Tensor db = needs[2] ? at::empty({n - first}, w.options().dtype(bias->scalar_type())) : none(x);
+  if (m == 0 || first == n) {
     if (needs[0]) dx.zero_();
     if (needs[1]) dw.zero_();
     if (needs[2]) db.zero_();
   }
   const int64_t cols = recompute_cols(x, w, chunk);
   Tensor buffer = at::empty({m, cols}, x.options());
-  const CeParams p{ignore_index, label_smoothing, softcap, z_loss};
-  for (int64_t v0 = 0; m > 0 && v0 < n; v0 += cols) {
+  for (int64_t v0 = first; m > 0 && v0 < n; v0 += cols) {
     const int64_t len = std::min(cols, n - v0);
     Tensor z = slice_logits(buffer, x, w, bias, v0, len), wv = w.narrow(0, v0, len);
     CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
@@ -323,73 +365,94 @@ std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
     a.col0 = v0;
     a.vocab = n;
     (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
-    check(coda::cross_entropy(dtype_of(x), a, stream()), "cross_entropy");
-    if (needs[0]) product(dx, z, wv, v0 > 0);
+    cross_entropy_on(x, a);
+    if (needs[0]) product(dx, z, wv, v0 > first);
     if (needs[1]) {
-      Tensor dwv = dw.narrow(0, v0, len);
+      Tensor dwv = dw.narrow(0, v0 - first, len);
       blas::matmul(dwv, z.t(), x, 0.f);
     }
-    if (needs[2]) db.narrow(0, v0, len).copy_(z.sum(0, false, at::kFloat));
+    if (needs[2]) db.narrow(0, v0 - first, len).copy_(z.sum(0, false, at::kFloat));
   }
   if (dx_float) dx = dx.to(x.scalar_type());
   return {needs[0] ? dx.view(x_.sizes()) : dx, dw, db};
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_cross_entropy_backward(
+    const Tensor& grad, const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& target,
+    const Tensor& lse, int64_t ignore_index, double label_smoothing, double softcap, double z_loss, int64_t chunk,
+    std::array<bool, 3> needs, int64_t first_class) {
+  return backward_slices(grad, x, weight, bias, target, lse, {ignore_index, label_smoothing, softcap, z_loss}, chunk,
+                         needs, first_class, nullptr);
 }
 
 CODA_OP_HANDLE(linear_cross_entropy)
 CODA_OP_HANDLE(linear_cross_entropy_sliced)
 CODA_OP_HANDLE(linear_cross_entropy_backward)
 
-// dW = s·[head; tail] rounded once to W's dtype (the float32 rows of Grads).
-// In eager on the GPU into the head's own bytes: the head in place, the tail
-// after it, no other buffer; while a compiler traces, or on the CPU, out of
-// place.
-Tensor weight_grad(const Tensor& head, const Tensor& tail, const Tensor& s, c10::ScalarType dtype, bool functional) {
-  if (functional || !head.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf)) {
-    return (at::cat({head, tail}) * s).to(dtype);
+// dW rounded once to W's dtype, `rows` rows: the head's float32 times s,
+// then the rest: the tail's float32 times s, or with recompute="half" (no
+// tail) `recomputed`, which writes those rows into the tensor it is given or
+// returns them (nullptr). In eager, for a 16-bit W, into the head's own bytes:
+// the head in place, the rest after it, no other buffer; while a compiler
+// traces, out of place.
+Tensor weight_grad(const Tensor& head, const Tensor& tail, const Tensor& s, c10::ScalarType dtype, int64_t rows,
+                   bool functional, const std::function<Tensor(Tensor*)>& recomputed) {
+  const bool formed = tail.numel() > 0 || rows == head.size(0);  // every row summed in the forward
+  if (functional || (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+    if (formed) return (at::cat({head, tail}) * s).to(dtype);
+    return at::cat({(head * s).to(dtype), recomputed(nullptr)});
   }
-  const int64_t d = head.size(1), rows = head.size(0) + tail.size(0);
+  const int64_t d = head.size(1);
   Tensor dw = at::empty({0}, head.options().dtype(dtype)).set_(head.storage(), 0, {rows, d}, {d, 1});
-  check(coda::scale_round(dtype_of(dw), head.data_ptr<float>(), head.data_ptr(), head.numel(), s.data_ptr<float>(),
-                          stream()),
-        "scale_round");
-  check(coda::scale_round(dtype_of(dw), tail.data_ptr<float>(), static_cast<char*>(head.data_ptr()) + 2 * head.numel(),
-                          tail.numel(), s.data_ptr<float>(), stream()),
-        "scale_round");
+  scale_round_on(dw, head.data_ptr<float>(), head.data_ptr(), head.numel(), s.data_ptr<float>());
+  Tensor rest = dw.narrow(0, head.size(0), rows - head.size(0));
+  if (formed) {
+    scale_round_on(dw, tail.data_ptr<float>(), rest.data_ptr(), tail.numel(), s.data_ptr<float>());
+  } else {
+    recomputed(&rest);
+  }
   return dw;
 }
 
-// recompute (or reduction none) saves x, W, b, the targets and the lse for
-// the recomputing backward; otherwise the gradients the forward formed.
+// Saved for the recomputing backward (recompute, recompute="half", and
+// reduction none): x, W, b, the targets and the lse; for the forward's
+// gradients (recompute=False and "half"): dX, dW's head and tail, db.
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                const Tensor& target, int64_t ignore_index, double label_smoothing, double softcap,
-                               double z_loss, int64_t reduction, int64_t chunk, bool recompute, int64_t chunk_vocab) {
+                               double z_loss, int64_t reduction, int64_t chunk, int64_t recompute,
+                               int64_t chunk_vocab) {
     at::AutoDispatchBelowADInplaceOrView below;
-    recompute = recompute || reduction == kNone;
+    if (reduction == kNone) recompute = kAll;  // per-row upstream gradients: none can be formed before them
     const std::array<bool, 3> needs{x.requires_grad(), weight.requires_grad(), bias && bias->requires_grad()};
     Tensor loss, lse, dx, dw, dw_tail, db;
-    if (recompute) {
+    if (recompute == kAll) {
       std::tie(loss, lse) = linear_cross_entropy_sliced_op().call(x, weight, bias, target, ignore_index,
                                                                   label_smoothing, softcap, z_loss, reduction,
                                                                   chunk_vocab);
     } else {
-      std::tie(loss, lse, dx, dw, dw_tail, db) = linear_cross_entropy_op().call(
-          x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs);
+      std::tie(loss, lse, dx, dw, dw_tail, db) =
+          linear_cross_entropy_op().call(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
+                                         reduction, chunk, needs, recompute == kNothing);
     }
     // a mean's upstream gradient is spread over the rows not ignored (all ignored: the gradients stay 0)
     // (prescaled: the forward's gradients came multiplied by prescale_of(count) already)
-    Tensor count = reduction == kMean ? count_of(target, ignore_index) : none_f32(x);
-    if (!recompute && prescaled(reduction, x)) count = count * prescale_of(count);
-    if (recompute) {
-      ctx->save_for_backward({x, weight, bias ? *bias : none(x), target, lse, count});
-      ctx->saved_data["ii"] = ignore_index;
-      ctx->saved_data["ls"] = label_smoothing;
-      ctx->saved_data["cap"] = softcap;
-      ctx->saved_data["z"] = z_loss;
-      ctx->saved_data["chunk"] = chunk_vocab;
-    } else {
-      ctx->save_for_backward({dx, dw, db, dw_tail, count});
+    const Tensor count = reduction == kMean ? count_of(target, ignore_index) : none_f32(x);
+    const bool pre = recompute != kAll && prescaled(reduction, x);
+    const Tensor formed_count = pre ? count * prescale_of(count) : count;
+    const Tensor empty = none(x);
+    if (recompute == kAll) {
+      ctx->save_for_backward({empty, empty, empty, empty, count, x, weight, bias ? *bias : empty, target, lse, count});
+    } else if (recompute == kTail) {
+      ctx->save_for_backward({dx, dw, db, dw_tail, formed_count, x, weight, bias ? *bias : empty, target, lse, count});
+    } else {  // no inputs: an optimizer may update W in place before this backward, which needs none of them
+      ctx->save_for_backward({dx, dw, db, dw_tail, formed_count, empty, empty, empty, empty, empty, count});
     }
+    ctx->saved_data["ii"] = ignore_index;
+    ctx->saved_data["ls"] = label_smoothing;
+    ctx->saved_data["cap"] = softcap;
+    ctx->saved_data["z"] = z_loss;
+    ctx->saved_data["chunk"] = chunk_vocab;
     ctx->saved_data["recompute"] = recompute;
     ctx->saved_data["dt_x"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["dt_w"] = static_cast<int64_t>(weight.scalar_type());
@@ -407,13 +470,20 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     const auto n = needs_by_arg<3>(ctx, ctx->saved_data["p"].toInt());
     auto v = ctx->get_saved_variables();
     variable_list out(12);
-    const Tensor& count = v.back();
-    const Tensor s = count.numel() ? dl.to(at::kFloat) / count : dl.to(at::kFloat).contiguous();
-    if (ctx->saved_data["recompute"].toBool()) {
+    // s scales the forward's gradients, s_rows the recomputed ones (they differ by a prescale)
+    const auto scale_by = [&](const Tensor& count) {
+      return count.numel() ? dl.to(at::kFloat) / count : dl.to(at::kFloat).contiguous();
+    };
+    const Tensor s = scale_by(v[4]), s_rows = scale_by(v[10]);
+    const Tensor &x = v[5], &w = v[6], &target = v[8], &lse = v[9];
+    const OptTensor b = opt_of(v[7]);
+    const int64_t recompute = ctx->saved_data["recompute"].toInt(), chunk_vocab = ctx->saved_data["chunk"].toInt();
+    const CeParams p{ctx->saved_data["ii"].toInt(), ctx->saved_data["ls"].toDouble(),
+                     ctx->saved_data["cap"].toDouble(), ctx->saved_data["z"].toDouble()};
+    if (recompute == kAll) {
       auto [dx, dw, db] = linear_cross_entropy_backward_op().call(
-          s, v[0], v[1], opt_of(v[2]), v[3], v[4], ctx->saved_data["ii"].toInt(), ctx->saved_data["ls"].toDouble(),
-          ctx->saved_data["cap"].toDouble(), ctx->saved_data["z"].toDouble(), ctx->saved_data["chunk"].toInt(),
-          {n[0], n[1], n[2]});
+          s_rows, x, w, b, target, lse, p.ignore_index, p.label_smoothing, p.softcap, p.z_loss, chunk_vocab,
+          {n[0], n[1], n[2]}, 0);
       const Tensor* g[3] = {&dx, &dw, &db};
       for (int i = 0; i < 3; ++i) out[i] = n[i] ? *g[i] : Tensor();
       return first_order("linear_cross_entropy", std::move(out));
@@ -422,10 +492,11 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     // kept in float32 (dW, db, and dX where dx_in_float) are scaled and
     // rounded once, in eager in one pass (coda::scale_round); a 16-bit dX in place in eager by coda::scale (nothing
     // else holds it; no second such tensor, no sync), out of place while a
-    // compiler traces (its tensors are functional) or on the CPU. In place,
-    // a second backward (retain_graph) would scale them again.
-    TORCH_CHECK(!ctx->saved_data.count("scaled"), "coda.linear_cross_entropy with recompute=False runs one backward "
-                "(its gradients were formed in the forward and scaled in place); use recompute=True for more");
+    // compiler traces (its tensors are functional). In place, a second
+    // backward (retain_graph) would scale them again.
+    TORCH_CHECK(!ctx->saved_data.count("scaled"), "coda.linear_cross_entropy with recompute=False or \"half\" runs "
+                "one backward (its gradients were formed in the forward and scaled in place); use recompute=True "
+                "for more");
     ctx->saved_data["scaled"] = true;
     constexpr auto traced = c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
     // the dtypes of x, W and b, which the float32 gradients are rounded to
@@ -437,21 +508,33 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       Tensor t = v[i];
       const bool functional = s.key_set().has_any(traced) || t.key_set().has_any(traced);
       if (i == 1) {
-        out[1] = weight_grad(t, v[3], s, dtypes[1], functional);
+        // recompute="half": W's rows past the head, by the recomputing backward's slices
+        const int64_t head = t.size(0);
+        const auto recomputed = [&](Tensor* into) {
+          if (into != nullptr) {
+            return std::get<1>(backward_slices(s_rows, x, w, b, target, lse, p, chunk_vocab, {false, true, false},
+                                               head, into));
+          }
+          return std::get<1>(linear_cross_entropy_backward_op().call(
+              s_rows, x, w, b, target, lse, p.ignore_index, p.label_smoothing, p.softcap, p.z_loss, chunk_vocab,
+              {false, true, false}, head));
+        };
+        // W itself is not saved for recompute=False: its rows are the head's and the tail's
+        const int64_t rows = recompute == kTail ? w.size(0) : head + v[3].size(0);
+        out[1] = weight_grad(t, v[3], s, dtypes[1], rows, functional || s_rows.key_set().has_any(traced),
+                             recomputed);
         continue;
       }
       const bool to_16 = dtypes[i] == at::kBFloat16 || dtypes[i] == at::kHalf;
-      if (t.scalar_type() == at::kFloat && to_16 && !functional && t.is_cuda()) {
+      if (t.scalar_type() == at::kFloat && to_16 && !functional) {
         out[i] = at::empty(t.sizes(), t.options().dtype(dtypes[i]));
-        check(coda::scale_round(dtype_of(out[i]), t.data_ptr<float>(), out[i].data_ptr(), t.numel(),
-                                s.data_ptr<float>(), stream()),
-              "scale_round");
+        scale_round_on(out[i], t.data_ptr<float>(), out[i].data_ptr(), t.numel(), s.data_ptr<float>());
       } else if (t.scalar_type() == at::kFloat) {
         out[i] = (functional ? t * s : t.mul_(s)).to(dtypes[i]);
-      } else if (functional || !t.is_cuda()) {
+      } else if (functional || (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf)) {
         out[i] = (t.to(at::kFloat) * s).to(t.scalar_type());
       } else {
-        check(coda::scale(dtype_of(t), t.data_ptr(), t.numel(), s.data_ptr<float>(), stream()), "scale");
+        scale_on(t, s.data_ptr<float>());
         out[i] = t;
       }
     }
@@ -463,11 +546,14 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_autograd(const Tensor& x, const 
                                                          const OptTensor& bias, const Tensor& target,
                                                          int64_t ignore_index, double label_smoothing, double softcap,
                                                          double z_loss, int64_t reduction, int64_t chunk,
-                                                         bool recompute, int64_t chunk_vocab) {
+                                                         int64_t recompute, int64_t chunk_vocab) {
+  TORCH_CHECK(recompute >= kNothing && recompute <= kTail,
+              "coda: linear_cross_entropy: recompute code must be 0 (False), 1 (True) or 2 (\"half\"), got ",
+              recompute);
   if (!any_requires_grad({&x, &weight, opt(bias)})) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto o = linear_cross_entropy_op().call(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
-                                            reduction, chunk, {false, false, false});
+                                            reduction, chunk, {false, false, false}, true);
     return {std::get<0>(o), std::get<1>(o)};
   }
   auto o = LinearCrossEntropyFn::apply(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss,
@@ -479,10 +565,10 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_autograd(const Tensor& x, const 
 std::tuple<Tensor, Tensor> linear_cross_entropy_loss(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                                      const Tensor& target, int64_t ignore_index,
                                                      double label_smoothing, double softcap, double z_loss,
-                                                     int64_t reduction, int64_t chunk, bool recompute,
+                                                     int64_t reduction, int64_t chunk, int64_t recompute,
                                                      int64_t chunk_vocab) {
   auto o = linear_cross_entropy(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                                chunk, {false, false, false});
+                                chunk, {false, false, false}, true);
   return {std::get<0>(o), std::get<1>(o)};
 }
 
@@ -490,21 +576,31 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_loss(const Tensor& x, const Tens
 
 CODA_TORCH_OP(linear_cross_entropy,
               "linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
-              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool[3] needs)"
-              " -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool[3] needs,"
+              " bool dw_tail) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_sliced,
               "linear_cross_entropy_sliced(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
               " float label_smoothing, float softcap, float z_loss, int reduction, int chunk) -> (Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_backward,
               "linear_cross_entropy_backward(Tensor grad, Tensor x, Tensor weight, Tensor? bias, Tensor target,"
               " Tensor lse, int ignore_index, float label_smoothing, float softcap, float z_loss, int chunk,"
-              " bool[3] needs)"
+              " bool[3] needs, int first_class)"
               " -> (Tensor, Tensor, Tensor)")
 CODA_TORCH_OP(linear_cross_entropy_loss,
               "linear_cross_entropy_loss(Tensor x, Tensor weight, Tensor? bias, Tensor target, int ignore_index,"
-              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, bool recompute,"
+              " float label_smoothing, float softcap, float z_loss, int reduction, int chunk, int recompute,"
               " int chunk_vocab) -> (Tensor, Tensor)")
 
 CODA_AUTOGRAD(linear_cross_entropy_loss, linear_cross_entropy_autograd)
+
+// The same ops on CPU tensors, their kernels on the host (host_kernels.h):
+// for tests of this file's orchestration on a machine without a GPU. The
+// Python API keeps CPU tensors on its reference path.
+TORCH_LIBRARY_IMPL(coda, CPU, m) {
+  m.impl("linear_cross_entropy", TORCH_FN(linear_cross_entropy));
+  m.impl("linear_cross_entropy_sliced", TORCH_FN(linear_cross_entropy_sliced));
+  m.impl("linear_cross_entropy_backward", TORCH_FN(linear_cross_entropy_backward));
+  m.impl("linear_cross_entropy_loss", TORCH_FN(linear_cross_entropy_loss));
+}
 
 }  // namespace coda::torch_ops

@@ -127,8 +127,9 @@ def parser() -> argparse.ArgumentParser:
                         "their tiny configs)")
     t.add_argument("--impls", type=_impls, metavar=",".join(train.IMPLS),
                    help="comma-separated, timed in this order (default: all of these; also coda_3gemm: the LM "
-                        "head's three-GEMM backward; compile_graphs, coda_graphs: torch.compile(mode="
-                        "'reduce-overhead'), CUDA graphs, of the model and of the patched model)")
+                        "head's three-GEMM backward; coda_half: its lm_head_recompute=\"half\"; compile_graphs, "
+                        "coda_graphs: torch.compile(mode='reduce-overhead'), CUDA graphs, of the model and of the "
+                        "patched model)")
     t.add_argument("--steps", type=int, help="timed steps per impl (default: 20 on the GPU, 2 on the CPU)")
     t.add_argument("--warmup-steps", type=int, help="untimed steps first, torch.compile's compilation among them "
                                                     "(default: 3 on the GPU, 1 on the CPU)")

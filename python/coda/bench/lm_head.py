@@ -8,6 +8,9 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
   coda_fwd      recompute=False: the gradients formed in the forward's chunks
                 (three GEMMs, dW summed over the chunks in float32)
   coda_fwd_c<N> the same with N tokens per chunk: the memory / time trade-off
+  coda_half     recompute="half": the forward forms dX, db and the first half of
+                dW's rows, the backward recomputes the logits of the second half
+                for theirs (three and a half GEMMs, no float32 dW beyond the gradient)
   coda_fwd_1r   coda_fwd with the one-read cross-entropy kernel (each row of logits
                 held in a cluster's shared memory: read once, not twice), off by
                 default until this row says it wins
@@ -17,7 +20,7 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
   liger         Liger-Kernel's LigerFusedLinearCrossEntropyFunction
 Each row has peak_gib (torch.cuda.max_memory_allocated over one step, the
 inputs included) and extra_gib (that minus the inputs and the gradients); coda's,
-coda_fwd's, cublas's and liger's also the step's kernels (kernel_us) and their
+coda_fwd's, coda_half's, cublas's and liger's also the step's kernels (kernel_us) and their
 sums by kind (phase_us: gemm, cross_entropy, scale, other): where the time over
 the three GEMMs goes.
 """
@@ -41,7 +44,7 @@ POINTS = [(8192, 2048), (16384, 4096), (8192, 1024), (8192, 1536)]
 VOCABS = {(8192, 1024): 50257, (8192, 1536): 151936}
 CHUNKS = (1024, 2048, 4096, 8192)
 # the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
-PROFILED = ("coda", "coda_fwd", "coda_fwd_1r", "cublas", "liger")
+PROFILED = ("coda", "coda_fwd", "coda_half", "coda_fwd_1r", "cublas", "liger")
 KINDS = (("cross_entropy", ("cross_entropy",)), ("scale", ("scale",)),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")))
 
@@ -113,7 +116,8 @@ def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device:
 
         lce = coda.ops.linear_cross_entropy
         impls = {"coda": step(lambda x, w, t: lce(x, w, t)),
-                 "coda_fwd": step(lambda x, w, t: lce(x, w, t, recompute=False))}
+                 "coda_fwd": step(lambda x, w, t: lce(x, w, t, recompute=False)),
+                 "coda_half": step(lambda x, w, t: lce(x, w, t, recompute="half"))}
         def one_read(x, w, t):
             with _kernels.cross_entropy_one_read():  # the pass runs in the forward
                 return lce(x, w, t, recompute=False)

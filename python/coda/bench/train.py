@@ -52,10 +52,11 @@ import torch
 from .timing import why
 
 IMPLS = ("hf", "liger", "compile", "coda", "coda_compile")
-# on request only (--impls): coda with the LM head's three-GEMM backward (a float32 dW from the forward); the
+# on request only (--impls): coda with the LM head's three-GEMM backward (a float32 dW from the forward) and with
+# its three-and-a-half-GEMM one (lm_head_recompute="half": half of dW's rows recomputed, no dW beyond the gradient); the
 # model's forward and backward captured in CUDA graphs by torch.compile(mode="reduce-overhead"), unpatched and
 # patched (where the host, not the GPU, bounds a step: small models)
-EXTRA_IMPLS = ("coda_3gemm", "compile_graphs", "coda_graphs")
+EXTRA_IMPLS = ("coda_3gemm", "coda_half", "compile_graphs", "coda_graphs")
 SEED = 0
 LR = 3e-4
 DATA_FRACTION = 8  # tokens are drawn from the first vocab // DATA_FRACTION ids
@@ -263,6 +264,7 @@ IMPL_FNS: Dict[str, Callable] = {
     "coda": _coda_patch,
     "coda_compile": lambda m: _compile(_coda_patch(m)),
     "coda_3gemm": lambda m: _coda_patch(m, lm_head_recompute=False),
+    "coda_half": lambda m: _coda_patch(m, lm_head_recompute="half"),
     "compile_graphs": lambda m: _compile(m, mode="reduce-overhead"),
     "coda_graphs": lambda m: _compile(_coda_patch(m), mode="reduce-overhead"),
 }

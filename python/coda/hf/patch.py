@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Union
 
 from torch import nn
 
@@ -28,7 +29,7 @@ def _family(model) -> str:
                     f"(and their subclasses)")
 
 
-def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
+def patch(model: nn.Module, *, lm_head_recompute: Union[bool, str] = True) -> nn.Module:
     """Run a Hugging Face causal LM's blocks as coda's fused ops, in place; returns the model.
 
     Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
@@ -60,9 +61,13 @@ def patch(model: nn.Module, *, lm_head_recompute: bool = True) -> nn.Module:
     (non-reentrant).
 
     lm_head_recompute: the loss's backward (coda.ops.linear_cross_entropy's recompute;
-    False: ~25% less time in the LM head, a float32 dW held from the forward to the backward);
-    model.lm_head.recompute changes it later.
+    False: ~25% less time in the LM head, 2 bytes per weight of float32 dW held from the
+    forward to the backward; "half": the forward forms all but half of dW's rows, the
+    backward recomputes those, nothing held beyond the gradient); model.lm_head.recompute
+    changes it later.
     """
+    if not (isinstance(lm_head_recompute, bool) or lm_head_recompute == "half"):
+        raise ValueError(f"coda.hf.patch: lm_head_recompute must be True, False or 'half', got {lm_head_recompute!r}")
     if getattr(model, ATTR, None) is None:
         family = _family(model)
         importlib.import_module(f"{__package__}.{family}").patch(model)

@@ -16,7 +16,7 @@ Norm = Union[None, nn.Module, Tuple[Tensor, Optional[float]]]
 
 def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm = None,
                    bias: Optional[Tensor] = None, ignore_index: int = -100, num_items_in_batch=None,
-                   softcap: Optional[float] = None, recompute: bool = True) -> Tensor:
+                   softcap: Optional[float] = None, recompute: Union[bool, str] = True) -> Tensor:
     """Next-token cross-entropy of Norm(hidden)·weightᵀ (+ bias) against labels, as
     Hugging Face's causal LMs compute it, through coda.ops.linear_cross_entropy: the
     (tokens, vocab) logits are never materialized.
@@ -33,7 +33,8 @@ def causal_lm_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, norm: Norm
     or any other module (e.g. GPT-2's nn.LayerNorm), applied in torch first. softcap: tanh
     soft-capping of the logits (Gemma 2), or None. recompute:
     linear_cross_entropy's (True: gradients rounded as torch's, four GEMMs; False:
-    three GEMMs, dW summed over chunks in float32: 4 bytes per weight more).
+    three GEMMs, dW summed over chunks in float32: 2 bytes per weight beyond the
+    gradient; "half": three and a half GEMMs, nothing beyond the gradient).
 
     Returns the mean over the counted tokens; with ``num_items_in_batch`` (an int or
     a tensor: the counted tokens of the whole accumulated batch, as HF's Trainer
@@ -79,11 +80,11 @@ class LMHead(nn.Linear):
     forward(hidden) -> logits, as nn.Linear; forward(hidden, labels, norm=..., **loss_args)
     -> the loss. The loss reads the weight inside this module's forward, which
     is where wrappers that shard parameters (FSDP2's fully_shard(lm_head)) hand it over
-    whole. ``recompute`` (an attribute,
+    whole. ``recompute`` (an attribute: True, False or "half";
     default True) is the loss's (causal_lm_loss).
     """
 
-    recompute: bool = True
+    recompute: Union[bool, str] = True
 
     @classmethod
     @torch.no_grad()

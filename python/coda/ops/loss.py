@@ -5,16 +5,19 @@ folds each slice into the rows' log-sum-exp and loss; the backward
 recomputes the same slices and takes d loss / d logits to dX and dW, each
 rounded once as torch's path rounds it (four GEMMs). recompute=False forms
 the gradients in the forward, by chunks of tokens (three GEMMs, dW summed
-over the chunks in float32 and rounded once in the backward). Extra memory:
-one buffer of logits and a float32 dX, at most 1/8 of the fp32 logits
-(small problems: 16 MiB of logits and a 64 MiB dX); recompute=False adds a
-float32 dW from the forward to the backward.
+over the chunks in float32 and rounded once in the backward);
+recompute="half" forms all but dW's second half of rows there, the half
+whose float32 sums fit in the 16-bit gradient's own bytes, and recomputes
+the rest (three and a half GEMMs). Extra memory: one buffer of logits and a
+float32 dX, at most 1/8 of the fp32 logits (small problems: 16 MiB of logits
+and a 64 MiB dX); recompute=False adds 2 bytes a weight of float32 dW from
+the forward to the backward.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,8 @@ from ._common import autocast
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
 REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+# loss_ops.cpp's Recompute codes
+RECOMPUTE = {False: 0, True: 1, "half": 2}
 
 
 def _loss_and_lse(x, target, reduction):
@@ -44,7 +49,8 @@ def dw_head_rows(vocab: int) -> int:
 if _kernels.available():
 
     @torch.library.register_fake("coda::linear_cross_entropy")
-    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs):
+    def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, needs,
+          dw_tail):
         m = math.prod(x.shape[:-1])
         grad = reduction != 0
         # the gradients of the rows' sum, dW and db in float32, and dX where D ≤ V/16 or it takes ≤ 64 MiB
@@ -57,7 +63,7 @@ if _kernels.available():
         return (*_loss_and_lse(x, target, reduction),
                 x.new_empty(x.shape, dtype=dx_dtype) if grad and needs[0] else x.new_empty(0),
                 x.new_empty((head, d), dtype=torch.float32) if dw else x.new_empty(0),
-                x.new_empty((v - head, d), dtype=torch.float32) if dw else x.new_empty(0),
+                x.new_empty((v - head, d), dtype=torch.float32) if dw and dw_tail else x.new_empty(0),
                 x.new_empty(weight.shape[0], dtype=torch.float32) if grad and needs[2] and bias is not None
                 else x.new_empty(0))
 
@@ -66,10 +72,12 @@ if _kernels.available():
         return _loss_and_lse(x, target, reduction)
 
     @torch.library.register_fake("coda::linear_cross_entropy_backward")
-    def _(grad, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss, chunk, needs):
+    def _(grad, x, weight, bias, target, lse, ignore_index, label_smoothing, softcap, z_loss, chunk, needs,
+          first_class):
+        rows = weight.shape[0] - first_class  # the classes [first_class, V) recomputed
         return (x.new_empty(x.shape) if needs[0] else x.new_empty(0),
-                x.new_empty(weight.shape) if needs[1] else x.new_empty(0),
-                bias.new_empty(weight.shape[0]) if needs[2] and bias is not None else x.new_empty(0))
+                weight.new_empty((rows, weight.shape[1])) if needs[1] else x.new_empty(0),
+                bias.new_empty(rows) if needs[2] and bias is not None else x.new_empty(0))
 
     @torch.library.register_fake("coda::linear_cross_entropy_loss")
     def _(x, weight, bias, target, ignore_index, label_smoothing, softcap, z_loss, reduction, chunk, recompute,
@@ -103,7 +111,7 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, target: Tensor, bi
 
 
 def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens,
-           chunk_vocab):
+           chunk_vocab, recompute=True):
     _checks.x_input(x, op)
     _checks.weight("weight", weight, x.shape[-1], op, "x", x.shape)
     if weight.shape[0] == 0:
@@ -129,13 +137,15 @@ def _check(op: str, x, weight, target, bias, reduction, label_smoothing, softcap
         raise ValueError(f"coda.{op}: chunk_tokens must be a positive int or None, got {chunk_tokens!r}")
     if chunk_vocab is not None and (not isinstance(chunk_vocab, int) or chunk_vocab <= 0):
         raise ValueError(f"coda.{op}: chunk_vocab must be a positive int or None, got {chunk_vocab!r}")
+    if not (isinstance(recompute, bool) or (isinstance(recompute, str) and recompute == "half")):
+        raise ValueError(f"coda.{op}: recompute must be True, False or 'half', got {recompute!r}")
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                          softcap: Optional[float] = None, z_loss: float = 0.0, norm_weight: Optional[Tensor] = None,
                          norm_eps: Optional[float] = None,
-                         recompute: bool = True, chunk_tokens: Optional[int] = None,
+                         recompute: Union[bool, str] = True, chunk_tokens: Optional[int] = None,
                          chunk_vocab: Optional[int] = None) -> Tensor:
     """cross_entropy(x·weightᵀ + bias, target) without the logits in memory.
 
@@ -154,14 +164,20 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     path rounds it (four GEMMs). False: the forward forms the gradients of a
     mean or sum chunk by chunk and the backward scales them (three GEMMs,
     ~25% less time in the head; dW sums over the chunks in float32, held
-    from the forward to the backward: 4 bytes per weight). chunk_vocab: classes per slice (recompute); chunk_tokens:
-    tokens per chunk (recompute=False); None: at most 1/8 of the fp32 logits
+    from the forward to the backward: 4 bytes per weight, 2 more than the
+    gradient). "half": as False for all but the second half of W's rows,
+    whose logits the backward recomputes (three and a half GEMMs; the first
+    half's float32 dW lives in the gradient's own bytes: nothing beyond it).
+    False and "half" run one backward per forward, and reduction="none"
+    always recomputes (its upstream gradient is per row). chunk_vocab:
+    classes per slice (recompute True, and "half"'s backward); chunk_tokens:
+    tokens per chunk (False, "half"); None: at most 1/8 of the fp32 logits
     and 512 MiB at once. Returns the loss in float32.
     Gradients flow to x, weight, bias and norm_weight.
     """
     op = "linear_cross_entropy"
     _check(op, x, weight, target, bias, reduction, label_smoothing, softcap, z_loss, norm_weight, chunk_tokens,
-           chunk_vocab)
+           chunk_vocab, recompute)
     x, weight, bias, norm_weight = autocast(x, weight, bias, norm_weight)
     for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight)):
         if t is not None:
@@ -176,4 +192,4 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         return linear_cross_entropy_reference(x, weight, target, bias, **kw)
     return torch.ops.coda.linear_cross_entropy_loss.default(
         x, weight, bias, target, int(ignore_index), float(label_smoothing), float(softcap or 0.0), float(z_loss),
-        REDUCTIONS[reduction], int(chunk_tokens or 0), bool(recompute), int(chunk_vocab or 0))[0]
+        REDUCTIONS[reduction], int(chunk_tokens or 0), RECOMPUTE[recompute], int(chunk_vocab or 0))[0]

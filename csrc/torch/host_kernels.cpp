@@ -1,0 +1,119 @@
+#include "host_kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <limits>
+
+namespace coda::torch_ops::host {
+
+namespace {
+
+struct Lse {
+  float m, s;
+};
+
+Lse combine(Lse a, Lse b) {
+  const float m = std::fmax(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.f};
+  return {m, a.s * std::exp(a.m - m) + b.s * std::exp(b.m - m)};
+}
+
+float capped(float z, float cap) { return cap > 0.f ? cap * std::tanh(z / cap) : z; }
+
+template <class T>
+void rows(const CrossEntropyArgs& a) {
+  const float cap = a.softcap, eps = a.label_smoothing;
+  for (int64_t r = 0; r < a.m; ++r) {
+    T* row = static_cast<T*>(a.logits) + r * a.ld;
+    const int64_t t = a.target[r];
+    if (t == a.ignore_index) {
+      if (a.loss != nullptr && (a.partial == nullptr || a.last)) {
+        a.loss[r] = 0.f;
+        if (a.lse != nullptr) a.lse[r] = 0.f;
+      }
+      if (a.write_grad) std::fill(row, row + a.n, T(0.f));
+      continue;
+    }
+    const int64_t vocab = a.vocab > 0 ? a.vocab : a.n, tc = t - a.col0;
+    const bool bad = t < 0 || t >= vocab;
+    float lse;
+    if (a.lse_in != nullptr) {
+      lse = a.lse_in[r];
+    } else {
+      Lse acc{-INFINITY, 0.f};
+      float zsum = 0.f;
+      for (int64_t j = 0; j < a.n; ++j) {
+        const float z = capped(float(row[j]), cap);
+        zsum += z;
+        acc = combine(acc, {z, 1.f});
+      }
+      lse = acc.m + std::log(acc.s);
+      float zt = !bad && tc >= 0 && tc < a.n ? capped(float(row[tc]), cap) : 0.f, lse_all = lse, zsum_all = zsum;
+      if (a.partial != nullptr) {
+        float* st = a.partial + 4 * r;
+        Lse run{a.first ? -INFINITY : st[0], a.first ? 0.f : st[1]};
+        run = combine(run, acc);
+        zt += a.first ? 0.f : st[2];
+        zsum_all += a.first ? 0.f : st[3];
+        st[0] = run.m;
+        st[1] = run.s;
+        st[2] = zt;
+        st[3] = zsum_all;
+        lse_all = run.m + std::log(run.s);
+      }
+      if (a.partial == nullptr || a.last) {
+        const float loss = (1.f - eps) * (lse_all - zt) + eps * (lse_all - zsum_all / float(vocab)) +
+                           a.z_loss * lse_all * lse_all;
+        a.loss[r] = bad ? NAN : loss;
+        if (a.lse != nullptr) a.lse[r] = lse_all;
+      }
+      if (!a.write_grad) continue;
+    }
+    float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
+    if (bad) scale = NAN;
+    const float off = eps / float(vocab), hit = 1.f - eps, zl = 2.f * a.z_loss * lse;
+    for (int64_t j = 0; j < a.n; ++j) {
+      const float z = capped(float(row[j]), cap);
+      float g = std::exp(z - lse) * (1.f + zl) - off - (j == tc ? hit : 0.f);
+      if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
+      row[j] = T(scale * g);
+    }
+  }
+}
+
+template <class F>
+void with_type(at::ScalarType dtype, const char* what, F&& f) {
+  if (dtype == at::kBFloat16) return f(c10::BFloat16());
+  if (dtype == at::kHalf) return f(c10::Half());
+  TORCH_CHECK(false, "coda: ", what, ": dtype must be bfloat16 or float16, got ", dtype);
+}
+
+}  // namespace
+
+void cross_entropy(at::ScalarType dtype, const CrossEntropyArgs& a) {
+  with_type(dtype, "cross_entropy", [&](auto tag) { rows<decltype(tag)>(a); });
+}
+
+void scale_round(at::ScalarType dtype, const float* src, void* dst, int64_t n, const float* scale) {
+  with_type(dtype, "scale_round", [&](auto tag) {
+    using T = decltype(tag);
+    const float s = scale != nullptr ? *scale : 1.f;
+    // ascending: element i's 2 bytes land on bytes of elements ≤ i/2, all read already
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = src[i] * s;
+      static_cast<T*>(dst)[i] = T(v);
+    }
+  });
+}
+
+void scale(at::ScalarType dtype, void* x, int64_t n, const float* scale) {
+  with_type(dtype, "scale", [&](auto tag) {
+    using T = decltype(tag);
+    T* p = static_cast<T*>(x);
+    for (int64_t i = 0; i < n; ++i) p[i] = T(float(p[i]) * *scale);
+  });
+}
+
+}  // namespace coda::torch_ops::host
