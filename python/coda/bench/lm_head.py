@@ -11,6 +11,8 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
   coda_half     recompute="half": the forward forms dX, db and the first half of
                 dW's rows, the backward recomputes the logits of the second half
                 for theirs (three and a half GEMMs, no float32 dW beyond the gradient)
+  coda_half_c<N> the same with N tokens per chunk
+  coda_v<N>     coda with N classes per slice: its time at a smaller logits buffer
   coda_fwd_1r   coda_fwd with the one-read cross-entropy kernel (each row of logits
                 held in a cluster's shared memory: read once, not twice), off by
                 default until this row says it wins
@@ -20,9 +22,9 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
   liger         Liger-Kernel's LigerFusedLinearCrossEntropyFunction
 Each row has peak_gib (torch.cuda.max_memory_allocated over one step, the
 inputs included) and extra_gib (that minus the inputs and the gradients); coda's,
-coda_fwd's, coda_half's, cublas's and liger's also the step's kernels (kernel_us) and their
-sums by kind (phase_us: gemm, cross_entropy, scale, other): where the time over
-the three GEMMs goes.
+coda_fwd's, coda_half's, cublas's and liger's also the step's kernels (kernel_us)
+and their sums by kind (phase_us: gemm, cross_entropy, scale, other): where the
+time over the three GEMMs goes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ POINTS = [(8192, 2048), (16384, 4096), (8192, 1024), (8192, 1536)]
 # the vocabulary of the models at those widths other than LLaMA 3's: GPT-2 medium's, Qwen2.5-1.5B's
 VOCABS = {(8192, 1024): 50257, (8192, 1536): 151936}
 CHUNKS = (1024, 2048, 4096, 8192)
+# classes per slice of the recomputing path (coda_v<N>) and tokens per chunk of "half" (coda_half_c<N>): the
+# time each pays to come down to Liger's memory (~0.12 GiB beyond the inputs and gradients at 8,192 x 2048)
+SLICES = (2048, 4096, 8192)
+HALF_CHUNKS = (1024, 2048)
 # the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
 PROFILED = ("coda", "coda_fwd", "coda_half", "coda_fwd_1r", "cublas", "liger")
 KINDS = (("cross_entropy", ("cross_entropy",)), ("scale", ("scale",)),
@@ -125,6 +131,10 @@ def run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device:
         impls["coda_fwd_1r"] = step(one_read)
         for c in CHUNKS:
             impls[f"coda_fwd_c{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, recompute=False, chunk_tokens=c))
+        for c in HALF_CHUNKS:
+            impls[f"coda_half_c{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, recompute="half", chunk_tokens=c))
+        for c in SLICES:
+            impls[f"coda_v{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, chunk_vocab=c))
         impls.update({"cublas": cublas, "eager": step(eager), "compile": step(steps.compiled(eager))})
         if fn_liger is not None:
             impls["liger"] = step(fn_liger)
