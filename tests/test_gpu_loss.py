@@ -302,6 +302,25 @@ def test_forward_dw_is_rounded_into_its_own_bytes(v, recompute, seed):
                        rel_err(wb.grad, w64.grad), numel=v * d)
 
 
+@pytest.mark.parametrize("m", [1, 300, 4097])
+def test_recomputed_dx_is_rounded_into_its_own_bytes(m, seed):
+    """recompute=True: dX's float32 sum over the slices is x's first half of rows and the rest, rounded into the
+    first's bytes (coda::scale_round in place), so the bf16 gradient is that storage; values within torch's error."""
+    d, v = 256, 32003
+    x, w, t = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=d**-0.5), targets(m, v, 0.1)
+    xl = leaves(x)[0]
+    ops.linear_cross_entropy(xl, w, t, chunk_vocab=4096).backward(torch.tensor(0.7, device="cuda"))
+    g = xl.grad
+    assert g.dtype == BF16 and g.shape == (m, d) and g.is_contiguous() and g.storage_offset() == 0
+    assert g.untyped_storage().nbytes() == 4 * dw_head_rows(m) * d
+    x64 = leaves(x.double())[0]
+    (0.7 * F.cross_entropy(F.linear(x64, w.double()), t)).backward()
+    xb = leaves(x)[0]
+    (0.7 * F.cross_entropy(F.linear(xb, w).float(), t)).backward()
+    within_torch_error(f"lce recomputed dX m={m} seed={seed}", rel_err(g, x64.grad), rel_err(xb.grad, x64.grad),
+                       numel=m * d)
+
+
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 def test_gemms_leave_torchs_cublas_switch(recompute, seed):
     """The head's GEMMs reduce in float32 by their own handle's math mode: torch's process-wide switch for

@@ -227,6 +227,24 @@ def test_host_dw_in_its_own_bytes(host, v, recompute):
     assert tail.numel() == (0 if recompute == "half" else (v - dw_head_rows(v)) * 16)
 
 
+@pytest.mark.parametrize("m", [1, 37, 200])
+def test_host_recomputed_dx_in_its_own_bytes(host, m):
+    """recompute=True: dX sums over the slices in float32 as x's first half of rows and the rest, rounded into
+    the first's own bytes: the bf16 gradient is that storage (2 bytes an element beyond it while summing, not 4)."""
+    x, w, b, t = _inputs(m, 16, 101)
+    xl = x.detach().requires_grad_(True)
+    ops.linear_cross_entropy(xl, w, t, chunk_vocab=16).backward(torch.tensor(0.7))
+    g = xl.grad
+    assert g.dtype == BF16 and g.shape == (m, 16) and g.is_contiguous() and g.storage_offset() == 0
+    assert g.untyped_storage().nbytes() == 4 * dw_head_rows(m) * 16
+    x64 = x.double().requires_grad_(True)
+    (0.7 * ops.linear_cross_entropy_reference(x64, w.double(), t)).backward()
+    xt = x.detach().requires_grad_(True)
+    (0.7 * ops.linear_cross_entropy_reference(xt, w, t)).backward()
+    within_torch_error(f"host recomputed dX m={m}", rel_err(g, x64.grad), rel_err(xt.grad, x64.grad),
+                       numel=g.numel())
+
+
 def test_host_backward_of_a_class_range(host):
     """linear_cross_entropy_backward over classes [first_class, V): the rows of the whole one."""
     x, w, b, t = _inputs(50, 16, 101, bias=True)

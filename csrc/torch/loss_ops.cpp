@@ -31,8 +31,9 @@
 // the forward's chunks (same values up to the GEMMs' summation order).
 //
 // Either way the peak extra memory is one buffer of logits in x's dtype and
-// a float32 dX within 1/8 of the fp32 logits (and 512 MiB of logits; small
-// problems may take 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
+// a float32 dX (recompute: its 2 bytes an element beyond the gradient) within
+// 1/8 of the fp32 logits (and 512 MiB of logits; small problems may take
+// 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
 // times all three. On CPU tensors the same code runs with host kernels
 // (host_kernels.h), for tests.
 #include <ATen/DeviceGuard.h>
@@ -95,7 +96,7 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 
 // Classes per slice of the recomputing path, a multiple of 8 (the buffer's
 // rows stay 16-byte aligned): the slice's logits for every token and
-// `reserve` bytes (a float32 dX) within 1/8 of the fp32 logits (at least
+// `reserve` bytes (dX's float32 beyond its gradient) within 1/8 of the fp32 logits (at least
 // 16 MiB, so that small problems need not go by tiny slices), at most
 // 512 MiB of logits; slices of equal size.
 int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
@@ -122,6 +123,37 @@ struct Grads {
 // column stays 16-byte aligned for its GEMM), so that its float32 bytes hold
 // all V rows in 16 bits.
 int64_t head_rows(int64_t v) { return std::min(v, ((v + 1) / 2 + 7) / 8 * 8); }
+
+// A float32 (rows, D) sum as its head_rows(rows) first rows and the rest
+// (with_tail false: none(like)), on `like`'s device: see Grads (dW), and the
+// recomputing backward's dX.
+struct SplitRows {
+  Tensor head, tail;
+};
+
+SplitRows split_rows(int64_t rows, int64_t d, const Tensor& like, bool with_tail = true) {
+  const auto o = like.options().dtype(at::kFloat);
+  const int64_t head = head_rows(rows);
+  return {at::empty({head, d}, o), with_tail ? at::empty({rows - head, d}, o) : none(like)};
+}
+
+// The (rows, D) tensor of the 16-bit `dtype` on the head's own storage: the
+// head's float32 times *scale (nullptr: 1) rounded in place, into the first
+// half of its bytes, and where `tail` is given its rows times *scale after
+// them (else those rows are left to the caller). Nothing but the head is kept.
+Tensor round_into_head(const Tensor& head, const Tensor* tail, const float* scale, c10::ScalarType dtype,
+                       int64_t rows) {
+  const int64_t d = head.size(1);
+  Tensor out = at::empty({0}, head.options().dtype(dtype)).set_(head.storage(), 0, {rows, d}, {d, 1});
+  scale_round_on(out, head.data_ptr<float>(), head.data_ptr(), head.numel(), scale);
+  if (tail != nullptr && tail->numel() > 0) {
+    scale_round_on(out, tail->data_ptr<float>(), out.narrow(0, head.size(0), tail->size(0)).data_ptr(),
+                   tail->numel(), scale);
+  }
+  return out;
+}
+
+bool is_16_bit(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
 CrossEntropyArgs ce_args(const Tensor& z, int64_t ld, const Tensor& target, int64_t first_row, const CeParams& p) {
   CrossEntropyArgs a;
@@ -261,10 +293,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
   needs[2] = needs[2] && bias.has_value();
   OptTensor b = bias ? OptTensor(bias->contiguous()) : std::nullopt;
   const bool dx_float = dx_in_float(x, w);
-  const int64_t head = head_rows(w.size(0));
-  const auto f32_rows = [&](int64_t rows) { return at::empty({rows, w.size(1)}, w.options().dtype(at::kFloat)); };
-  Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x),
-          needs[1] ? f32_rows(head) : none(x), needs[1] && dw_tail ? f32_rows(w.size(0) - head) : none(x), none(x)};
+  const SplitRows dw = needs[1] ? split_rows(w.size(0), w.size(1), x, dw_tail) : SplitRows{none(x), none(x)};
+  Grads g{needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x), dw.head,
+          dw.tail, none(x)};
   const bool grad = needs[0] || needs[1] || needs[2];
   const Tensor inv = grad && prescaled(reduction, x) ? prescale_of(count_of(target, ignore_index)) : Tensor();
   auto [loss, lse] = run_chunks(x, w, b, target, {ignore_index, label_smoothing, softcap, z_loss}, chunk, needs, g,
@@ -273,13 +304,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> linear_cross_entropy(
           g.dw, g.dw_tail, g.db};
 }
 
-// The recomputing path's slices: the float32 dX the backward sums into is
-// reserved whether or not dX is needed, so that the forward and the backward
-// cut the vocabulary alike.
+// The recomputing path's slices: the float32 dX the backward sums into,
+// beyond the bytes that become its gradient (2 an element), is reserved
+// whether or not dX is needed, so that the forward and the backward cut the
+// vocabulary alike.
 int64_t recompute_cols(const Tensor& x, const Tensor& w, int64_t chunk) {
   const int64_t m = x.size(0);
   if (m == 0) return std::max<int64_t>(w.size(0), 1);
-  return slice_cols(m, w.size(0), chunk, dx_in_float(x, w) ? 4 * m * x.size(1) : 0);
+  return slice_cols(m, w.size(0), chunk, dx_in_float(x, w) ? 2 * m * x.size(1) : 0);
 }
 
 // The logits of classes [v0, v0 + len) for every token, into the buffer's
@@ -341,16 +373,24 @@ std::tuple<Tensor, Tensor, Tensor> backward_slices(const Tensor& grad, const Ten
   expect(!per_row || grad.numel() == m, "linear_cross_entropy_backward: grad must be a scalar or one per row");
   Tensor gs = grad.to(at::kFloat).contiguous();
   needs[2] = needs[2] && bias.has_value();
-  // dX sums over the slices in float32 where dx_in_float, else in x's dtype
+  // dX sums over the slices in float32 where dx_in_float, as x's first
+  // head_rows(M) rows and the rest, rounded at the end into the first's own
+  // bytes (2 bytes an element beyond the gradient, not 4); else in x's dtype
   // (one rounding per slice).
   const bool dx_float = needs[0] && dx_in_float(x, w);
-  Tensor dx = needs[0] ? at::empty_like(x, dx_float ? x.options().dtype(at::kFloat) : x.options()) : none(x);
+  const SplitRows acc = dx_float ? split_rows(m, x.size(1), x) : SplitRows{};
+  Tensor dx = needs[0] && !dx_float ? at::empty_like(x) : none(x);
   Tensor dw = !needs[1] ? none(x) : dw_into != nullptr ? *dw_into : at::empty({n - first, w.size(1)}, w.options());
   expect(!needs[1] || (dw.size(0) == n - first && dw.size(1) == w.size(1) && dw.scalar_type() == w.scalar_type()),
          "linear_cross_entropy_backward: dW's rows must be (V - first_class, D) in W's dtype");
   Tensor db = needs[2] ? at::empty({n - first}, w.options().dtype(bias->scalar_type())) : none(x);
   if (m == 0 || first == n) {
-    if (needs[0]) dx.zero_();
+    if (dx_float) {
+      acc.head.zero_();
+      acc.tail.zero_();
+    } else if (needs[0]) {
+      dx.zero_();
+    }
     if (needs[1]) dw.zero_();
     if (needs[2]) db.zero_();
   }
@@ -366,14 +406,24 @@ std::tuple<Tensor, Tensor, Tensor> backward_slices(const Tensor& grad, const Ten
     a.vocab = n;
     (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
     cross_entropy_on(x, a);
-    if (needs[0]) product(dx, z, wv, v0 > first);
+    if (dx_float) {
+      const int64_t mh = acc.head.size(0);
+      Tensor head = acc.head, tail = acc.tail;
+      product(head, z.narrow(0, 0, mh), wv, v0 > first);
+      if (m > mh) product(tail, z.narrow(0, mh, m - mh), wv, v0 > first);
+    } else if (needs[0]) {
+      product(dx, z, wv, v0 > first);
+    }
     if (needs[1]) {
       Tensor dwv = dw.narrow(0, v0 - first, len);
       blas::matmul(dwv, z.t(), x, 0.f);
     }
     if (needs[2]) db.narrow(0, v0 - first, len).copy_(z.sum(0, false, at::kFloat));
   }
-  if (dx_float) dx = dx.to(x.scalar_type());
+  if (dx_float) {
+    dx = is_16_bit(x.scalar_type()) ? round_into_head(acc.head, &acc.tail, nullptr, x.scalar_type(), m)
+                                    : at::cat({acc.head, acc.tail}).to(x.scalar_type());
+  }
   return {needs[0] ? dx.view(x_.sizes()) : dx, dw, db};
 }
 
@@ -398,17 +448,13 @@ CODA_OP_HANDLE(linear_cross_entropy_backward)
 Tensor weight_grad(const Tensor& head, const Tensor& tail, const Tensor& s, c10::ScalarType dtype, int64_t rows,
                    bool functional, const std::function<Tensor(Tensor*)>& recomputed) {
   const bool formed = tail.numel() > 0 || rows == head.size(0);  // every row summed in the forward
-  if (functional || (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+  if (functional || !is_16_bit(dtype)) {
     if (formed) return (at::cat({head, tail}) * s).to(dtype);
     return at::cat({(head * s).to(dtype), recomputed(nullptr)});
   }
-  const int64_t d = head.size(1);
-  Tensor dw = at::empty({0}, head.options().dtype(dtype)).set_(head.storage(), 0, {rows, d}, {d, 1});
-  scale_round_on(dw, head.data_ptr<float>(), head.data_ptr(), head.numel(), s.data_ptr<float>());
-  Tensor rest = dw.narrow(0, head.size(0), rows - head.size(0));
-  if (formed) {
-    scale_round_on(dw, tail.data_ptr<float>(), rest.data_ptr(), tail.numel(), s.data_ptr<float>());
-  } else {
+  Tensor dw = round_into_head(head, formed ? &tail : nullptr, s.data_ptr<float>(), dtype, rows);
+  if (!formed) {
+    Tensor rest = dw.narrow(0, head.size(0), rows - head.size(0));
     recomputed(&rest);
   }
   return dw;
