@@ -33,9 +33,9 @@
 // Either way the peak extra memory is one buffer of logits in x's dtype and
 // a float32 dX (recompute: its 2 bytes an element beyond the gradient) within
 // 1/8 of the fp32 logits (and 512 MiB of logits; small problems may take
-// 16 MiB of logits and a 64 MiB dX). The lm_head benchmark
-// times all three. On CPU tensors the same code runs with host kernels
-// (host_kernels.h), for tests.
+// 16 MiB of logits and a 64 MiB dX). The lm_head benchmark times all three.
+// On CPU tensors the same code runs with host kernels (host_kernels.h), for
+// tests.
 #include <ATen/DeviceGuard.h>
 
 #include <functional>
@@ -96,9 +96,9 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 
 // Classes per slice of the recomputing path, a multiple of 8 (the buffer's
 // rows stay 16-byte aligned): the slice's logits for every token and
-// `reserve` bytes (dX's float32 beyond its gradient) within 1/8 of the fp32 logits (at least
-// 16 MiB, so that small problems need not go by tiny slices), at most
-// 512 MiB of logits; slices of equal size.
+// `reserve` bytes (dX's float32 beyond its gradient) within 1/8 of the fp32
+// logits (at least 16 MiB, so that small problems need not go by tiny
+// slices), at most 512 MiB of logits; slices of equal size.
 int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   const int64_t padded = (n + 7) / 8 * 8;
   if (requested > 0) return (std::min(padded, requested) + 7) / 8 * 8;
