@@ -123,3 +123,48 @@ def compiled_once(fn):
         return torch.compile(fn, fullgraph=True, backend="aot_eager")()
     finally:
         torch._dynamo.reset()
+
+
+def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw):
+    """coda.ops.linear_cross_entropy and torch's unfused path in the inputs' dtype (F.linear, then
+    F.cross_entropy on the logits), each against float64, per output and gradient. inputs: x, weight and
+    optionally bias and norm_weight (None: absent); on a GPU the allocator is poisoned first. tokens: the rows a
+    gradient's error runs over (the slack's numel). Returns coda's loss and gradients."""
+    from coda import ops
+    only_coda = ("chunk_tokens", "chunk_vocab", "recompute")
+    names = ["x", "weight", "bias", "norm_weight"][:len(inputs)]
+
+    def call(impl):
+        kwargs = kw if impl is ops.linear_cross_entropy else {k: v for k, v in kw.items() if k not in only_coda}
+
+        def fn(*ts):
+            args = dict(zip(names, ts))
+            return impl(args["x"], args["weight"], target, args.get("bias"), norm_weight=args.get("norm_weight"),
+                        **kwargs)
+        return fn
+
+    def run(fn, ts, dl):
+        ins = [None if t is None else t.detach().requires_grad_(True) for t in ts]
+        loss = fn(*ins)
+        loss.backward(dl)
+        return loss.detach(), [None if t is None else t.grad for t in ins]
+
+    device = inputs[0].device
+    if dl is None:
+        dl = (torch.randn(target.shape, device=device) if kw.get("reduction", "mean") == "none"
+              else torch.tensor(1.7, device=device))
+    if device.type == "cuda":
+        m, v = inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], inputs[1].shape[0]
+        poison_cuda_allocator(4 * m * v)
+    loss, grads = run(call(ops.linear_cross_entropy), inputs, dl)
+    loss64, grads64 = run(call(ops.linear_cross_entropy_reference),
+                          [None if t is None else t.double() for t in inputs], dl.double())
+    losst, gradst = run(call(ops.linear_cross_entropy_reference), inputs, dl)
+    within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
+    for nm, g, g64, gt in zip(names, grads, grads64, gradst):
+        if g64 is not None:
+            assert g.dtype == gt.dtype and g.shape == gt.shape, (nm, g.dtype, g.shape)
+            numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
+            # recompute=False too: its dW sums over the chunks in float32 and is rounded once, as torch's
+            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), numel=numel)
+    return loss, grads

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
-from helpers import poison_cuda_allocator, rel_err, within_torch_error
+from helpers import check_linear_cross_entropy, rel_err, within_torch_error
 from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
 
 pytestmark = pytest.mark.gpu
@@ -40,42 +40,8 @@ def run(fn, inputs, dl):
     return loss.detach(), [None if t is None else t.grad for t in ins]
 
 
-ONLY_CODA = ("chunk_tokens", "chunk_vocab", "recompute")
 RECOMPUTE = [True, False, "half"]
-
-
-def check(name, inputs, target, dl=None, tokens=None, **kw):
-    """coda against float64 and the torch bf16 path against float64, per output and gradient."""
-    n_inputs = len(inputs)
-    names = ["x", "weight", "bias", "norm_weight"][:n_inputs]
-
-    def call(impl):
-        # the reference has no chunks
-        kwargs = kw if impl is ops.linear_cross_entropy else {k: v for k, v in kw.items() if k not in ONLY_CODA}
-
-        def fn(*ts):
-            args = dict(zip(names, ts))
-            return impl(args["x"], args["weight"], target, args.get("bias"), norm_weight=args.get("norm_weight"),
-                        **kwargs)
-        return fn
-
-    reduction = kw.get("reduction", "mean")
-    if dl is None:
-        dl = (torch.randn(target.shape, device="cuda") if reduction == "none"
-              else torch.tensor(1.7, device="cuda"))
-    m, v = inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], inputs[1].shape[0]
-    poison_cuda_allocator(4 * m * v)
-    loss, grads = run(call(ops.linear_cross_entropy), inputs, dl)
-    torch.cuda.synchronize()
-    loss64, grads64 = run(call(ops.linear_cross_entropy_reference), [t.double() for t in inputs], dl.double())
-    losst, gradst = run(call(ops.linear_cross_entropy_reference), inputs, dl)
-    within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
-    for nm, g, g64, gt in zip(names, grads, grads64, gradst):
-        if g64 is not None:
-            numel = g64.numel() if tokens is None else min(g64.numel(), tokens * g64.shape[-1])
-            # recompute=False too: its dW sums over the chunks in float32 and is rounded once, as torch's
-            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), slack=1.1, numel=numel)
-    return loss, grads
+check = check_linear_cross_entropy
 
 
 SHAPES = [(1000, 1024, 32000), (777, 512, 50257), (300, 256, 128256), (64, 2048, 151936), (4096, 1024, 32001),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
-from helpers import rel_err, within_torch_error
+from helpers import check_linear_cross_entropy, rel_err, within_torch_error
 
 
 def _data(m=40, d=16, v=37, seed=0, ignored=0.25):
@@ -138,22 +138,8 @@ def _run(fn, x, w, b, dl):
     return loss.detach(), [None if v is None else v.grad for v in ins]
 
 
-def check_host(name, x, w, b, t, dl=None, **kw):
-    """coda's host path and torch's bf16 path, each against float64, per output and gradient."""
-    only_coda = ("chunk_tokens", "chunk_vocab", "recompute")
-    ref_kw = {k: v for k, v in kw.items() if k not in only_coda}
-    if dl is None:
-        dl = torch.randn(t.shape) if kw.get("reduction") == "none" else torch.tensor(1.7)
-    loss, grads = _run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), x, w, b, dl)
-    loss64, grads64 = _run(lambda x, w, b: ops.linear_cross_entropy_reference(x, w, t, b, **ref_kw),
-                           x.double(), w.double(), None if b is None else b.double(), dl.double())
-    losst, gradst = _run(lambda x, w, b: ops.linear_cross_entropy_reference(x, w, t, b, **ref_kw), x, w, b, dl)
-    within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
-    for nm, g, g64, gt in zip(("x", "weight", "bias"), grads, grads64, gradst):
-        if g64 is not None:
-            assert g.dtype == gt.dtype and g.shape == gt.shape, (nm, g.dtype, g.shape)
-            within_torch_error(f"{name} d{nm}", rel_err(g, g64), rel_err(gt, g64), numel=g64.numel())
-    return loss, grads
+def check_host(name, x, w, b, t, **kw):
+    return check_linear_cross_entropy(name, [x, w, b], t, **kw)
 
 
 RECOMPUTE = [True, False, "half"]
