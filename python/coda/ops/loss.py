@@ -6,12 +6,13 @@ recomputes the same slices and takes d loss / d logits to dX and dW, each
 rounded once as torch's path rounds it (four GEMMs). recompute=False forms
 the gradients in the forward, by chunks of tokens (three GEMMs, dW summed
 over the chunks in float32 and rounded once in the backward);
-recompute="half" forms all but dW's second half of rows there, the half
-whose float32 sums fit in the 16-bit gradient's own bytes, and recomputes
-the rest (three and a half GEMMs). Extra memory: one buffer of logits and a
-float32 dX, at most 1/8 of the fp32 logits (small problems: 16 MiB of logits
-and a 64 MiB dX); recompute=False adds 2 bytes a weight of float32 dW from
-the forward to the backward.
+recompute="half" forms dX, db and dW's first half of rows there (their
+float32 sums fill exactly the 16-bit gradient's bytes) and recomputes the
+logits of the second half's classes in the backward (three and a half
+GEMMs). Extra memory: one buffer of logits and a float32 dX (recompute: 2
+bytes an element of it beyond the gradient), at most 1/8 of the fp32 logits
+(small problems: 16 MiB of logits and a 64 MiB dX); recompute=False adds 2
+bytes a weight of float32 dW from the forward to the backward.
 """
 
 from __future__ import annotations
