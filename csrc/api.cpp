@@ -212,6 +212,9 @@ Operands operands(const NormGluArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.w
 // D is (M, F) 32-bit lanes of the (M, 2F) dH.
 Operands operands(const GluDgradArgs& a) { return {a.m, a.n, a.k, a.dy, a.lddy, a.weight, a.ldw, a.dh, a.lddh / 2}; }
 Operands operands(const NormRopeArgs& a) { return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.y, a.ldy}; }
+Operands operands(const LinearCrossEntropyGradArgs& a) {
+  return {a.m, a.n, a.k, a.x, a.ldx, a.weight, a.ldw, a.dz, a.lddz};
+}
 
 bool has_row_dots(const DgradArgs& a) { return a.norm_c1 != nullptr; }
 
@@ -478,6 +481,36 @@ Status norm_rope_linear(DType dtype, const NormRopeArgs& a, void* workspace, siz
 
 size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& a) {
   return gemm_workspace<Program::kNormRopeLinear>(dtype, operands(a), a);
+}
+
+// ---- the LM head's loss: d loss / d logits in the epilogue of the recomputed logits
+
+Status linear_cross_entropy_grad(DType dtype, const LinearCrossEntropyGradArgs& a, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream) {
+  CODA_RETURN_IF_ERROR(check_dtype(dtype));
+  CODA_RETURN_IF_ERROR(check_shape(a.m, a.n, a.k));
+  CODA_RETURN_IF_ERROR(check_matrix("x", a.x, a.ldx, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("weight", a.weight, a.ldw, a.k, true));
+  CODA_RETURN_IF_ERROR(check_matrix("dz", a.dz, a.lddz, a.n, true));
+  CODA_RETURN_IF_ERROR(check_vector("bias", a.bias, false));
+  CODA_RETURN_IF_ERROR(check_vector("classes", a.classes, true));
+  CODA_RETURN_IF_ERROR(check_vector("lse", a.lse, true));
+  CODA_RETURN_IF_ERROR(check_vector("target", a.target, true));
+  CODA_RETURN_IF_ERROR(check_vector("scale", a.scale, true));
+  if (a.vocab < a.n || a.vocab >= (int64_t(1) << 24)) {
+    return detail::fail(Status::kInvalidArgument, "vocab must be at least n and below 2^24 (classes are fp32), got " +
+                                                      std::to_string(a.vocab));
+  }
+  if (!(a.label_smoothing >= 0.f && a.label_smoothing < 1.f) || !(a.softcap >= 0.f)) {
+    return detail::fail(Status::kInvalidArgument, "label_smoothing must be in [0, 1) and softcap >= 0");
+  }
+  CODA_RETURN_IF_ERROR(check_device());
+  if (a.m == 0) return Status::kSuccess;
+  return gemm<Program::kLinearCeGrad>(dtype, operands(a), a, workspace, workspace_bytes, stream);
+}
+
+size_t linear_cross_entropy_grad_workspace_size(DType dtype, const LinearCrossEntropyGradArgs& a) {
+  return gemm_workspace<Program::kLinearCeGrad>(dtype, operands(a), a);
 }
 
 Status rope_backward(DType dtype, const RopeBackwardArgs& a, cudaStream_t stream) {

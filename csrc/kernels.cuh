@@ -11,6 +11,7 @@
 #include "gemm.cuh"
 #include "glu_dgrad_rowdot.hpp"
 #include "linear_act.hpp"
+#include "linear_ce_grad.hpp"
 #include "linear_residual_stats.hpp"
 #include "norm_dgrad.hpp"
 #include "norm_glu_linear.hpp"
@@ -319,6 +320,27 @@ struct Steps<Program::kNormRopeLinear, T, C> {
     return a;
   }
   static Status finish(const GemmProblem&, const NormRopeArgs&, const Args&) { return Status::kSuccess; }
+};
+
+template <DType T, Config C>
+struct Steps<Program::kLinearCeGrad, T, C> {
+  using G = typename ProgramGemm<Program::kLinearCeGrad>::template type<T, C>;
+  using E = typename G::Element;
+  using Args = typename G::EpilogueProgram::Arguments;
+  static size_t scratch(const GemmProblem&, const LinearCrossEntropyGradArgs&, char*, Args*) { return 0; }
+  static Args arguments(const LinearCrossEntropyGradArgs& e) {
+    Args a;
+    a.bias = static_cast<E const*>(e.bias);
+    a.classes = e.classes;
+    a.lse = e.lse;
+    a.target = e.target;
+    a.scale = e.scale;
+    a.grad = {e.softcap, e.label_smoothing / float(e.vocab), 1.f - e.label_smoothing, 2.f * e.z_loss};
+    return a;
+  }
+  static Status finish(const GemmProblem&, const LinearCrossEntropyGradArgs&, const Args&) {
+    return Status::kSuccess;
+  }
 };
 
 template <Program P, DType T, Config C>

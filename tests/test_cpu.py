@@ -49,8 +49,9 @@ def test_kernel_table_is_what_the_library_ships():
     if not coda.kernels_available():
         pytest.skip("the extension is not built here")
     built, programs = _kernels.kernels_built(), _kernels.programs()
-    assert set(built) == set(programs) and len(programs) == 10
+    assert set(built) == set(programs) and len(programs) == 11
     assert programs["linear_act"] == "forward" and programs["glu_dgrad_rowdot"] == "dgrad"
+    assert programs["linear_ce_grad"] == "forward"
     assert programs["wgrad_store"] == "wgrad"
     assert built["linear_act"].items() >= {0: "cooperative_128x256_2x1", 1: "pingpong_128x128_1x2",
                                            2: "cooperative_128x128_1x2"}.items()

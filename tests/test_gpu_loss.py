@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
-from helpers import check_linear_cross_entropy, rel_err, within_torch_error
+from helpers import assert_ran, check_linear_cross_entropy, launches, rel_err, within_torch_error
 from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
 
 pytestmark = pytest.mark.gpu
@@ -234,6 +234,41 @@ def test_one_read_cross_entropy(v, option, seed):
     torch.testing.assert_close(loss, loss2, rtol=1e-5, atol=0)
     for g, g2 in zip(grads, grads2):
         assert rel_err(g, g2) < 2e-3
+
+
+@pytest.mark.parametrize("v", [1000, 32003, 50257, 128256])
+@pytest.mark.parametrize("option", ONE_READ_OPTIONS + [dict(reduction="none", label_smoothing=0.05)])
+@pytest.mark.parametrize("recompute", [True, "half"])
+def test_grad_epilogue(v, option, recompute, seed):
+    """lm_head_grad_epilogue: the recomputing backward's d loss / d logits from the epilogue of the GEMM that
+    recomputes each slice (linear_ce_grad): within torch's error of float64, beside the unfused pass's
+    gradients, and it ran (its program's launches), for vocabularies of one and of many slices, an odd last
+    slice (unfused), the options and ignored rows."""
+    m, d = 700, 256
+    x, w, b = rand(m, d, dtype=BF16), rand(v, d, dtype=BF16, scale=3 * d**-0.5), rand(v, dtype=BF16)
+    t = targets(m, v, 0.2, option.get("ignore_index", -100))
+    kw = dict(option, recompute=recompute, chunk_vocab=8192)
+    with _kernels.lm_head_grad_epilogue() as slices:
+        before = launches()
+        loss, grads = check(f"lce grad epilogue v={v} {option} recompute={recompute} seed={seed}", [x, w, b], t,
+                            tokens=m, **kw)
+        assert slices() > 0
+        assert_ran(before, {"linear_ce_grad"}, "lm_head_grad_epilogue")
+    dl = torch.randn(t.shape, device="cuda") if "reduction" in option else torch.tensor(1.7, device="cuda")
+    with _kernels.lm_head_grad_epilogue():
+        loss, grads = run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), [x, w, b], dl)
+    loss2, grads2 = run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), [x, w, b], dl)
+    torch.testing.assert_close(loss, loss2, rtol=0, atol=0)
+    for g, g2 in zip(grads, grads2):
+        assert rel_err(g, g2) < 5e-3
+
+
+def test_grad_epilogue_is_off_by_default():
+    m, v = 64, 5000
+    x, w, t = rand(m, 256, dtype=BF16), rand(v, 256, dtype=BF16, scale=256**-0.5), targets(m, v)
+    first = torch.ops.coda._lm_head_grad_epilogue_slices()
+    run(lambda x, w: ops.linear_cross_entropy(x, w, t), [x, w], torch.tensor(1.0, device="cuda"))
+    assert torch.ops.coda._lm_head_grad_epilogue_slices() == first
 
 
 def test_one_read_is_off_by_default():

@@ -31,6 +31,7 @@ STAGES = {
     ("glu_dgrad_rowdot", "pingpong_128x128_1x2"): 6,  # cooperative 128x256 would have 3 (table.def)
     ("norm_rope_linear", "cooperative_128x256_2x1"): 4,
     ("norm_rope_linear", "pingpong_128x128_1x2"): 6,
+    ("linear_ce_grad", "pingpong_128x128_1x2"): 6,  # four row vectors and two column vectors: 9.5 KB
 }
 
 

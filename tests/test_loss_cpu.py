@@ -231,6 +231,50 @@ def test_host_recomputed_dx_in_its_own_bytes(host, m):
                        numel=g.numel())
 
 
+EPILOGUE_OPTIONS = [dict(), dict(label_smoothing=0.1, z_loss=1e-3), dict(softcap=3.0, ignore_index=7),
+                    dict(reduction="none", label_smoothing=0.05)]
+
+
+@pytest.mark.parametrize("recompute", [True, "half"])
+@pytest.mark.parametrize("option", EPILOGUE_OPTIONS)
+def test_host_grad_epilogue(host, option, recompute):
+    """With lm_head_grad_epilogue, the recomputing backward's slices come from linear_cross_entropy_grad's
+    formulas (the GEMM's epilogue on a GPU, its host mirror here) from the per-row vectors the op builds: within
+    torch's error of float64, beside the unfused pass's result; the last slice of 1003 classes (width 43, no
+    multiple of 8) runs unfused."""
+    x, w, b, t = _inputs(150, 32, 1003, scale=3.0, bias=True)
+    if "ignore_index" in option:
+        t[t == -100] = option["ignore_index"]
+    kw = dict(option, recompute=recompute, chunk_vocab=64)
+    with _kernels.lm_head_grad_epilogue() as slices:
+        loss, grads = check_host(f"host epilogue {option} recompute={recompute}", x, w, b, t, **kw)
+        assert slices() > 0
+    dl = torch.randn(t.shape, generator=torch.Generator().manual_seed(1)) if "reduction" in option else None
+    with _kernels.lm_head_grad_epilogue():
+        loss, grads = _run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), x, w, b,
+                           dl if dl is not None else torch.tensor(1.7))
+    loss2, grads2 = _run(lambda x, w, b: ops.linear_cross_entropy(x, w, t, b, **kw), x, w, b,
+                         dl if dl is not None else torch.tensor(1.7))
+    torch.testing.assert_close(loss, loss2, rtol=0, atol=0)  # the forward is the same
+    for g, g2 in zip(grads, grads2):
+        assert rel_err(g, g2) < 5e-3
+
+
+def test_host_grad_epilogue_rows():
+    """Its per-row vectors: ignored rows' gradients are 0 and a target outside the vocabulary gives NaN."""
+    if not _kernels.available():
+        pytest.skip(f"the extension coda._C is not built ({_kernels.LOAD_ERROR})")
+    x, w, b, t = _inputs(40, 16, 64)
+    t[3], t[5] = -100, 64 + 9
+    lse = torch.logsumexp(F.linear(x, w).float(), -1)
+    with _kernels.lm_head_grad_epilogue() as slices:
+        dx, dw, _ = torch.ops.coda.linear_cross_entropy_backward.default(
+            torch.tensor(0.5), x, w, None, t, lse, -100, 0.0, 0.0, 0.0, 16, [True, True, False], 0)
+        assert slices() == 4
+    assert torch.all(dx[3] == 0) and torch.isnan(dx[5]).all() and torch.isfinite(dx[[0, 1, 2, 4]]).all()
+    assert torch.isnan(dw).all()  # every class's dW sums over the NaN row
+
+
 def test_host_backward_of_a_class_range(host):
     """linear_cross_entropy_backward over classes [first_class, V): the rows of the whole one."""
     x, w, b, t = _inputs(50, 16, 101, bias=True)

@@ -116,4 +116,20 @@ void scale(at::ScalarType dtype, void* x, int64_t n, const float* scale) {
   });
 }
 
+void linear_cross_entropy_grad(at::Tensor& dz, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                               const at::Tensor& classes, const at::Tensor& lse, const at::Tensor& target,
+                               const at::Tensor& scale, float label_smoothing, float softcap, float z_loss,
+                               int64_t vocab) {
+  at::Tensor acc = at::mm(x.to(at::kFloat), w.to(at::kFloat).t());
+  if (bias.defined()) acc.add_(bias.to(at::kFloat));
+  at::Tensor z = acc.to(dz.scalar_type()).to(at::kFloat);  // the logits as the GEMM rounds them
+  if (softcap > 0.f) z = at::tanh(z / softcap) * softcap;
+  const at::Tensor l = lse.unsqueeze(1);
+  at::Tensor g = at::exp(z - l) * (1.f + 2.f * z_loss * l) - label_smoothing / float(vocab) -
+                 (classes.unsqueeze(0) == target.unsqueeze(1)).to(at::kFloat) * (1.f - label_smoothing);
+  if (softcap > 0.f) g = g * (1.f - (z / softcap).square());
+  const at::Tensor s = scale.unsqueeze(1);
+  dz.copy_(at::where(s == 0.f, at::zeros_like(g), s * g));
+}
+
 }  // namespace coda::torch_ops::host

@@ -18,5 +18,11 @@ void cross_entropy(at::ScalarType dtype, const CrossEntropyArgs& args);
 // dst may be src (in place: the result fills the buffer's first 2n bytes).
 void scale_round(at::ScalarType dtype, const float* src, void* dst, int64_t n, const float* scale);
 void scale(at::ScalarType dtype, void* x, int64_t n, const float* scale);
+// coda::linear_cross_entropy_grad's GEMM and epilogue into dz (m, n): x (m, k),
+// w (n, k) the slice's rows, bias (n) or undefined, the fp32 vectors as its args.
+void linear_cross_entropy_grad(at::Tensor& dz, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                               const at::Tensor& classes, const at::Tensor& lse, const at::Tensor& target,
+                               const at::Tensor& scale, float label_smoothing, float softcap, float z_loss,
+                               int64_t vocab);
 
 }  // namespace coda::torch_ops::host

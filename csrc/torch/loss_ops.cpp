@@ -11,7 +11,10 @@
 // them into d loss / d logits in place, and takes them to dW's rows of the
 // slice (one GEMM over all tokens) and to dX (summed over the slices in
 // float32): each gradient is rounded once, as torch's unfused path rounds
-// it. Four GEMMs.
+// it. Four GEMMs. With coda._kernels.lm_head_grad_epilogue() (off until
+// measured), the backward's GEMM of each slice writes d loss / d logits from
+// its epilogue (the linear_ce_grad program) instead of the logits, which the
+// cross-entropy kernel would read back and overwrite.
 //
 // in the forward (kNothing, recompute false; mean and sum only): per chunk
 // of tokens the kernel writes d loss / d logits over the logits and two GEMMs
@@ -38,6 +41,8 @@
 // tests.
 #include <ATen/DeviceGuard.h>
 
+#include <atomic>
+#include <cmath>
 #include <functional>
 
 #include "autograd.h"
@@ -71,6 +76,61 @@ void cross_entropy_on(const Tensor& like, const CrossEntropyArgs& a) {
 void scale_round_on(const Tensor& out, const float* src, void* dst, int64_t n, const float* scale) {
   if (out.is_cpu()) return host::scale_round(out.scalar_type(), src, dst, n, scale);
   check(coda::scale_round(dtype_of(out), src, dst, n, scale, stream()), "scale_round");
+}
+
+// The recomputing backward's d loss / d logits in the epilogue of the GEMM
+// that recomputes each slice (coda::linear_cross_entropy_grad) instead of a
+// GEMM writing the logits and the cross-entropy kernel reading them back and
+// writing the gradient over them: off by default until measured
+// (coda._kernels.lm_head_grad_epilogue), and the slices it ran.
+std::atomic<bool> grad_epilogue{false};
+std::atomic<int64_t> grad_epilogue_slices{0};
+
+// The per-row vectors of the fused pass, once a backward: each row's class as
+// float, its lse, and its gradient scale (0 where ignored, NaN where the
+// target lies outside the vocabulary, as the cross-entropy kernel does).
+struct GradRows {
+  Tensor classes, target, lse, scale;
+};
+
+GradRows grad_rows(const Tensor& target, const Tensor& lse, const Tensor& gs, int64_t ignore_index, int64_t vocab) {
+  const int64_t m = target.numel();
+  const Tensor valid = target != ignore_index;
+  const Tensor bad = valid & ((target < 0) | (target >= vocab));
+  const Tensor base = gs.dim() > 0 ? gs.reshape({m}) : gs.expand({m});
+  const Tensor nan = at::full({}, NAN, gs.options()), zero = at::zeros({}, gs.options());
+  return {at::arange(vocab, lse.options()), target.to(at::kFloat),
+          lse, at::where(valid, at::where(bad, nan, base), zero).contiguous()};
+}
+
+// The slice [v0, v0 + z's columns) of d loss / d logits into z, its logits
+// never written (GPU: the GEMM's epilogue; CPU: the same formulas on the host).
+void fused_grad_on(Tensor& z, const Tensor& x, const Tensor& w, const OptTensor& bias, int64_t v0,
+                   const GradRows& r, const CeParams& p, int64_t vocab) {
+  const int64_t len = z.size(1);
+  const Tensor wv = w.narrow(0, v0, len), classes = r.classes.narrow(0, v0, len);
+  const Tensor bv = bias ? bias->narrow(0, v0, len) : Tensor();
+  grad_epilogue_slices.fetch_add(1, std::memory_order_relaxed);
+  if (z.is_cpu()) {
+    return host::linear_cross_entropy_grad(z, x, wv, bv, classes, r.lse, r.target, r.scale,
+                                           float(p.label_smoothing), float(p.softcap), float(p.z_loss), vocab);
+  }
+  LinearCrossEntropyGradArgs a;
+  a.m = x.size(0); a.n = len; a.k = x.size(1);
+  a.x = x.data_ptr(); a.ldx = x.stride(0);
+  a.weight = wv.data_ptr(); a.ldw = wv.stride(0);
+  a.bias = bv.defined() ? bv.data_ptr() : nullptr;
+  a.classes = classes.data_ptr<float>();
+  a.lse = r.lse.data_ptr<float>();
+  a.target = r.target.data_ptr<float>();
+  a.scale = r.scale.data_ptr<float>();
+  a.label_smoothing = float(p.label_smoothing);
+  a.softcap = float(p.softcap);
+  a.z_loss = float(p.z_loss);
+  a.vocab = vocab;
+  a.dz = z.data_ptr(); a.lddz = z.stride(0);
+  call("linear_cross_entropy_grad", dtype_of(x), a, x, coda::linear_cross_entropy_grad,
+       coda::linear_cross_entropy_grad_workspace_size);
 }
 
 void scale_on(const Tensor& t, const float* scale) {
@@ -396,16 +456,25 @@ std::tuple<Tensor, Tensor, Tensor> backward_slices(const Tensor& grad, const Ten
   }
   const int64_t cols = recompute_cols(x, w, chunk);
   Tensor buffer = at::empty({m, cols}, x.options());
+  // the fused pass takes slices of whole 16-byte rows (a last slice of any other width runs unfused)
+  const bool fused = grad_epilogue.load(std::memory_order_relaxed) && m > 0 && x.size(1) % 8 == 0 &&
+                     n < (int64_t(1) << 24);
+  const GradRows rows = fused ? grad_rows(target, l, gs, p.ignore_index, n) : GradRows{};
   for (int64_t v0 = first; m > 0 && v0 < n; v0 += cols) {
     const int64_t len = std::min(cols, n - v0);
-    Tensor z = slice_logits(buffer, x, w, bias, v0, len), wv = w.narrow(0, v0, len);
-    CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
-    a.write_grad = true;
-    a.lse_in = l.data_ptr<float>();
-    a.col0 = v0;
-    a.vocab = n;
-    (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
-    cross_entropy_on(x, a);
+    Tensor z = buffer.narrow(1, 0, len), wv = w.narrow(0, v0, len);
+    if (fused && len % 8 == 0) {
+      fused_grad_on(z, x, w, bias, v0, rows, p, n);
+    } else {
+      z = slice_logits(buffer, x, w, bias, v0, len);
+      CrossEntropyArgs a = ce_args(z, cols, target, 0, p);
+      a.write_grad = true;
+      a.lse_in = l.data_ptr<float>();
+      a.col0 = v0;
+      a.vocab = n;
+      (per_row ? a.row_grad : a.grad_scale) = gs.data_ptr<float>();
+      cross_entropy_on(x, a);
+    }
     if (dx_float) {
       const int64_t mh = acc.head.size(0);
       Tensor head = acc.head, tail = acc.tail;
@@ -618,6 +687,9 @@ std::tuple<Tensor, Tensor> linear_cross_entropy_loss(const Tensor& x, const Tens
   return {std::get<0>(o), std::get<1>(o)};
 }
 
+void set_lm_head_grad_epilogue(bool on) { grad_epilogue.store(on, std::memory_order_relaxed); }
+int64_t lm_head_grad_epilogue_slices() { return grad_epilogue_slices.load(std::memory_order_relaxed); }
+
 }  // namespace
 
 CODA_TORCH_OP(linear_cross_entropy,
@@ -638,6 +710,11 @@ CODA_TORCH_OP(linear_cross_entropy_loss,
               " int chunk_vocab) -> (Tensor, Tensor)")
 
 CODA_AUTOGRAD(linear_cross_entropy_loss, linear_cross_entropy_autograd)
+
+TORCH_LIBRARY_FRAGMENT(coda, m) {
+  m.def("_set_lm_head_grad_epilogue(bool on) -> ()", &set_lm_head_grad_epilogue);
+  m.def("_lm_head_grad_epilogue_slices() -> int", &lm_head_grad_epilogue_slices);
+}
 
 // The same ops on CPU tensors, their kernels on the host (host_kernels.h):
 // for tests of this file's orchestration on a machine without a GPU. The

@@ -158,6 +158,21 @@ def cross_entropy_one_read():
         torch.ops.coda._set_cross_entropy_one_read(False)
 
 
+@contextlib.contextmanager
+def lm_head_grad_epilogue():
+    """In the block, linear_cross_entropy's recomputing backward (recompute=True, and "half"'s second half)
+    forms d loss / d logits in the epilogue of the GEMM that recomputes each slice of logits (the
+    linear_ce_grad program) instead of writing the logits for the cross-entropy kernel; a slice whose width is
+    no multiple of 8 (the last of an odd vocabulary) runs as before. Off by default until measured. Yields a
+    function giving the slices it ran since entry."""
+    first = torch.ops.coda._lm_head_grad_epilogue_slices()
+    torch.ops.coda._set_lm_head_grad_epilogue(True)
+    try:
+        yield lambda: torch.ops.coda._lm_head_grad_epilogue_slices() - first
+    finally:
+        torch.ops.coda._set_lm_head_grad_epilogue(False)
+
+
 def kernels_built() -> Dict[str, Dict[int, str]]:
     """program -> {configuration value: name} of every kernel built."""
     out: Dict[str, Dict[int, str]] = {}

@@ -428,6 +428,34 @@ struct CrossEntropyArgs {
   int64_t vocab = 0;                 // with lse_in or partial: the whole vocabulary (0: n)
 };
 
+// d loss / d logits of a slice of the vocabulary in the epilogue of the GEMM
+// that recomputes the slice's logits (the recomputing backward of the LM
+// head's loss, given the rows' lse from its forward):
+//   z = round(X·Wᵀ + bias), z' = softcap·tanh(z/softcap) (softcap > 0, else z),
+//   dz = scale[m]·(exp(z' − lse[m])·(1 + 2·z_loss·lse[m]) − ls/vocab
+//                  − [classes[n] = target[m]]·(1 − ls))·(1 − (z'/softcap)²)
+// with the last factor only for softcap > 0, and dz = 0 where scale[m] = 0.
+// The caller sets scale to 0 on ignored rows and NaN where the target is
+// outside the vocabulary.
+struct LinearCrossEntropyGradArgs {
+  int64_t m = 0, n = 0, k = 0;       // tokens, the slice's classes, features
+  const void* x = nullptr;           // (m, k)
+  int64_t ldx = 0;
+  const void* weight = nullptr;      // (n, k): the slice's rows of W
+  int64_t ldw = 0;
+  const void* bias = nullptr;        // (n) or null
+  const float* classes = nullptr;    // (n) each column's class, as float (exact below 2^24)
+  const float* lse = nullptr;        // (m)
+  const float* target = nullptr;     // (m) each row's class, as float
+  const float* scale = nullptr;      // (m) each row's gradient scale
+  float label_smoothing = 0.f;       // ls, in [0, 1)
+  float softcap = 0.f;               // > 0: logits capped as above
+  float z_loss = 0.f;
+  int64_t vocab = 0;                 // the whole vocabulary (label smoothing's), ≥ n
+  void* dz = nullptr;                // (m, n) out
+  int64_t lddz = 0;
+};
+
 // Each op runs on `stream`. `workspace` may be null: then the op allocates
 // what it needs stream-ordered (cudaMallocAsync) and frees it after.
 Status linear(DType dtype, const LinearArgs& args, void* workspace, size_t workspace_bytes,
@@ -466,6 +494,8 @@ Status head_norm_rope_backward(DType dtype, const HeadNormRopeBackwardArgs& args
 // The rows of head_norm_rope_backward's dweight_partials for these sizes.
 int64_t head_norm_rope_partials(int64_t m, int64_t heads);
 Status cross_entropy(DType dtype, const CrossEntropyArgs& args, cudaStream_t stream);
+Status linear_cross_entropy_grad(DType dtype, const LinearCrossEntropyGradArgs& args, void* workspace,
+                                 size_t workspace_bytes, cudaStream_t stream);
 // x[i] ← x[i]·(*scale) for i < n, computed in float and rounded once, the
 // scale read on the device: gradients a fused loss computed in its forward,
 // times the upstream gradient, with no host sync.
@@ -486,6 +516,7 @@ size_t wgrad_workspace_size(DType dtype, const WgradArgs& args);
 size_t norm_glu_linear_workspace_size(DType dtype, const NormGluArgs& args);
 size_t glu_dgrad_workspace_size(DType dtype, const GluDgradArgs& args);
 size_t norm_rope_linear_workspace_size(DType dtype, const NormRopeArgs& args);
+size_t linear_cross_entropy_grad_workspace_size(DType dtype, const LinearCrossEntropyGradArgs& args);
 
 // True when the device can run coda's kernels (sm_90).
 bool device_supported(int device);

@@ -13,6 +13,9 @@ Cases lm_head_ce_fwd_bwd_t<tokens>_d<d>_v<vocab>, bf16, at 8192 tokens x d 2048 
                 for theirs (three and a half GEMMs, no float32 dW beyond the gradient)
   coda_half_c<N> the same with N tokens per chunk
   coda_v<N>     coda with N classes per slice: its time at a smaller logits buffer
+  coda_epi, coda_v<N>_epi  the same with d loss / d logits formed in the epilogue of the
+                backward's logits GEMM (linear_ce_grad; off by default until this row
+                says it wins)
   coda_fwd_1r   coda_fwd with the one-read cross-entropy kernel (each row of logits
                 held in a cluster's shared memory: read once, not twice), off by
                 default until this row says it wins
@@ -51,8 +54,9 @@ CHUNKS = (1024, 2048, 4096, 8192)
 # GEMM that writes it, the cross-entropy pass and the two GEMMs that read it
 SLICES = (1024, 2048, 4096, 8192)
 HALF_CHUNKS = (1024, 2048)
+EPI_SLICES = (2048,)
 # the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
-PROFILED = ("coda", "coda_fwd", "coda_half", "coda_fwd_1r", "cublas", "liger")
+PROFILED = ("coda", "coda_epi", "coda_fwd", "coda_half", "coda_fwd_1r", "cublas", "liger")
 KINDS = (("cross_entropy", ("cross_entropy",)), ("scale", ("scale",)),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "cublas")))
 
@@ -146,6 +150,16 @@ def _run(r: Runner, tokens: int, dims: Sequence[int], dtype: torch.dtype, device
             impls[f"coda_half_c{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, recompute="half", chunk_tokens=c))
         for c in SLICES:
             impls[f"coda_v{c}"] = step(lambda x, w, t, c=c: lce(x, w, t, chunk_vocab=c))
+
+        def epilogue(fn):
+            def run():
+                with _kernels.lm_head_grad_epilogue():  # the backward runs inside the step too
+                    return fn()
+            return run
+
+        impls["coda_epi"] = epilogue(impls["coda"])
+        for c in EPI_SLICES:
+            impls[f"coda_v{c}_epi"] = epilogue(impls[f"coda_v{c}"])
         impls.update({"cublas": cublas, "eager": step(eager), "compile": step(steps.compiled(eager))})
         if fn_liger is not None:
             impls["liger"] = step(fn_liger)
