@@ -4,7 +4,7 @@
 # against the installed package and the benchmarks; logs and the stamped
 # results files they write go to OUT_DIR.
 #
-#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --sweep | --sweep-shipped | --scripts | --power | --profile]
+#   tools/gpu_check.sh WHEEL_DIR OUT_DIR [--quick | --loss | --sweep | --sweep-shipped | --scripts | --power | --profile]
 #
 # WHEEL_DIR holds nvidia-cutlass (and liger-kernel) wheels: ../shared/device/carry-wheels.sh.
 # CODA_COMMIT names the commit the results files are stamped with (a copied tree's .git
@@ -22,6 +22,9 @@
 #   them out, KERNEL_BENCH_ARGS adds to them), the small GPT-2 with CUDA graphs (GRAPHS_BENCH=0 leaves it
 #   out), then benchmarks/sweep.py (SWIZZLES,
 #   SWEEP_ARGS, SWEEP_SHAPES="tokens:d:ffn ..."); --quick leaves the sweep out.
+# --loss: the LM head + loss alone (issue 43), as --quick with these defaults: only its CUTLASS kernels and the
+#   C++ example's built (ONLY_KERNELS), its GPU tests (TESTS=tests/test_gpu_loss.py), the lm_head section as the
+#   benchmark (BENCH_ARGS), no other section, no graphed row.
 # --sweep: the tests (SWEEP_TESTS=0 leaves them out), again under each override in
 #   CODA_TEST_TUNING="config,raster,swizzle ..." before anything is timed, the per-kernel
 #   breakdown (SWEEP_BREAKDOWN=0 leaves it out), coda.bench where BENCH_ARGS is set, the sweep.
@@ -39,6 +42,14 @@ set -uo pipefail
 WHEELS=${1:?wheel folder}
 OUT=${2:?output folder}
 MODE=${3:-}
+if [ "$MODE" = "--loss" ]; then
+  : "${ONLY_KERNELS:=kLinearCeGrad:kBFloat16:kPingpong128x128;kLinearCeGrad:kFloat16:kPingpong128x128;kLinearAct:kBFloat16:kPingpong128x128}"
+  : "${TESTS:=tests/test_gpu_loss.py}"
+  : "${BENCH_ARGS:=--kernels --only lm_head}"
+  KERNEL_SECTIONS=${KERNEL_SECTIONS-}
+  GRAPHS_BENCH=${GRAPHS_BENCH:-0}
+  MODE=--quick
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
