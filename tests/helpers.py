@@ -125,6 +125,15 @@ def compiled_once(fn):
         torch._dynamo.reset()
 
 
+def loss_and_grads(fn, inputs, dl):
+    """fn(*leaves of inputs) and its backward from dl: (the loss, detached; each input's gradient, None for a
+    None input)."""
+    ins = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
+    loss = fn(*ins)
+    loss.backward(dl)
+    return loss.detach(), [None if t is None else t.grad for t in ins]
+
+
 def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw):
     """coda.ops.linear_cross_entropy and torch's unfused path in the inputs' dtype (F.linear, then
     F.cross_entropy on the logits), each against float64, per output and gradient. inputs: x, weight and
@@ -143,12 +152,6 @@ def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw)
                         **kwargs)
         return fn
 
-    def run(fn, ts, dl):
-        ins = [None if t is None else t.detach().requires_grad_(True) for t in ts]
-        loss = fn(*ins)
-        loss.backward(dl)
-        return loss.detach(), [None if t is None else t.grad for t in ins]
-
     device = inputs[0].device
     if dl is None:
         dl = (torch.randn(target.shape, device=device) if kw.get("reduction", "mean") == "none"
@@ -156,10 +159,10 @@ def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw)
     if device.type == "cuda":
         m, v = inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], inputs[1].shape[0]
         poison_cuda_allocator(4 * m * v)
-    loss, grads = run(call(ops.linear_cross_entropy), inputs, dl)
-    loss64, grads64 = run(call(ops.linear_cross_entropy_reference),
-                          [None if t is None else t.double() for t in inputs], dl.double())
-    losst, gradst = run(call(ops.linear_cross_entropy_reference), inputs, dl)
+    loss, grads = loss_and_grads(call(ops.linear_cross_entropy), inputs, dl)
+    loss64, grads64 = loss_and_grads(call(ops.linear_cross_entropy_reference),
+                                     [None if t is None else t.double() for t in inputs], dl.double())
+    losst, gradst = loss_and_grads(call(ops.linear_cross_entropy_reference), inputs, dl)
     within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
     for nm, g, g64, gt in zip(names, grads, grads64, gradst):
         if g64 is not None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
 from helpers import assert_ran, check_linear_cross_entropy, launches, rel_err, within_torch_error
+from helpers import loss_and_grads as run
 from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
 
 pytestmark = pytest.mark.gpu
@@ -31,13 +32,6 @@ def targets(m, v, ignored=0.0, ignore_index=-100):
         drop[0] = False
         t[drop] = ignore_index
     return t
-
-
-def run(fn, inputs, dl):
-    ins = leaves(*inputs)
-    loss = fn(*ins)
-    loss.backward(dl)
-    return loss.detach(), [None if t is None else t.grad for t in ins]
 
 
 RECOMPUTE = [True, False, "half"]
