@@ -85,10 +85,40 @@ int main() {
   expect("wgrad null dw", coda::wgrad(coda::DType::kFloat16, w, nullptr, 0, nullptr), Status::kInvalidArgument,
          "dw is null");
 
+  alignas(16) static float rows[64];
+  const auto good_ce = [] {
+    coda::LinearCrossEntropyGradArgs c;
+    c.m = 16; c.n = 64; c.k = 32;
+    c.x = buffer; c.ldx = 32; c.weight = buffer; c.ldw = 32;
+    c.classes = rows; c.lse = rows; c.target = rows; c.scale = rows;
+    c.vocab = 1000;
+    c.dz = buffer; c.lddz = 64;
+    return c;
+  };
+  const auto run_ce = [](const coda::LinearCrossEntropyGradArgs& c) {
+    return coda::linear_cross_entropy_grad(coda::DType::kBFloat16, c, nullptr, 0, nullptr);
+  };
+  coda::LinearCrossEntropyGradArgs c = good_ce();
+  c.lse = nullptr;
+  expect("ce grad null lse", run_ce(c), Status::kInvalidArgument, "lse is null");
+  c = good_ce();
+  c.classes = rows + 1;
+  expect("ce grad misaligned classes", run_ce(c), Status::kMisaligned, "classes must be 16-byte aligned");
+  c = good_ce();
+  c.vocab = 32;
+  expect("ce grad vocab < n", run_ce(c), Status::kInvalidArgument, "vocab must be at least n");
+  c = good_ce();
+  c.label_smoothing = 1.f;
+  expect("ce grad label smoothing 1", run_ce(c), Status::kInvalidArgument, "label_smoothing must be in [0, 1)");
+  c = good_ce();
+  c.n = 60; c.lddz = 60;
+  expect("ce grad slice of 60 classes", run_ce(c), Status::kMisaligned, "multiples of 8");
+
   // A valid call on a machine without an sm_90 GPU says so instead of launching.
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || !coda::device_supported(device)) {
     expect("no sm_90 device", run(good_linear()), Status::kNotSupported, "");
+    expect("ce grad, no sm_90 device", run_ce(good_ce()), Status::kNotSupported, "");
   }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
