@@ -125,13 +125,17 @@ def compiled_once(fn):
         torch._dynamo.reset()
 
 
-def loss_and_grads(fn, inputs, dl):
-    """fn(*leaves of inputs) and its backward from dl: (the loss, detached; each input's gradient, None for a
-    None input)."""
-    ins = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
-    loss = fn(*ins)
-    loss.backward(dl)
-    return loss.detach(), [None if t is None else t.grad for t in ins]
+def leaves(*ts):
+    """Leaf aliases of ts: their own grads, the same memory (a view stays a view)."""
+    return [None if t is None else t.detach().requires_grad_(True) for t in ts]
+
+
+def run(fn, inputs, dy):
+    """Forward and backward; returns (y, [grad of each input])."""
+    ins = leaves(*inputs)
+    y = fn(*ins)
+    y.backward(dy)
+    return y.detach(), [None if t is None else t.grad for t in ins]
 
 
 def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw):
@@ -159,10 +163,10 @@ def check_linear_cross_entropy(name, inputs, target, dl=None, tokens=None, **kw)
     if device.type == "cuda":
         m, v = inputs[0].reshape(-1, inputs[0].shape[-1]).shape[0], inputs[1].shape[0]
         poison_cuda_allocator(4 * m * v)
-    loss, grads = loss_and_grads(call(ops.linear_cross_entropy), inputs, dl)
-    loss64, grads64 = loss_and_grads(call(ops.linear_cross_entropy_reference),
+    loss, grads = run(call(ops.linear_cross_entropy), inputs, dl)
+    loss64, grads64 = run(call(ops.linear_cross_entropy_reference),
                                      [None if t is None else t.double() for t in inputs], dl.double())
-    losst, gradst = loss_and_grads(call(ops.linear_cross_entropy_reference), inputs, dl)
+    losst, gradst = run(call(ops.linear_cross_entropy_reference), inputs, dl)
     within_torch_error(f"{name} loss", rel_err(loss, loss64), rel_err(losst, loss64), numel=loss64.numel())
     for nm, g, g64, gt in zip(names, grads, grads64, gradst):
         if g64 is not None:

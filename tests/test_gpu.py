@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import coda
 from coda import _activations, _kernels, ops
-from helpers import (assert_ran, check_op, launched_since, launches, poison_cuda_allocator, rel_err,
+from helpers import (assert_ran, check_op, launched_since, launches, leaves, poison_cuda_allocator, rel_err, run,
                      within_torch_error)
 
 pytestmark = pytest.mark.gpu
@@ -44,19 +44,6 @@ def kink_safe(activation, x, w, b):
     def grid(t, step):
         return None if t is None else (t.float() / step).round().mul(step).to(t.dtype)
     return grid(x, 1 / 16), grid(w, 1 / 512), grid(b, 1 / 16)
-
-
-def leaves(*ts):
-    """Leaf aliases of ts: their own grads, the same memory (a view stays a view)."""
-    return [None if t is None else t.detach().requires_grad_(True) for t in ts]
-
-
-def run(fn, inputs, dy):
-    """Forward and backward; returns (y, [grad of each input])."""
-    ins = leaves(*inputs)
-    y = fn(*ins)
-    y.backward(dy)
-    return y.detach(), [None if t is None else t.grad for t in ins]
 
 
 def check_against_torch(name, fn, ref_fn, inputs, dy, out_bytes, *, programs, check_grads=True, tokens=None):

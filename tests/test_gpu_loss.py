@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 from coda import _kernels, ops
 from coda.ops.loss import dw_head_rows
-from helpers import assert_ran, check_linear_cross_entropy, launches, rel_err, within_torch_error
-from helpers import loss_and_grads as run
-from test_gpu import leaves, rand, strict  # noqa: F401  (strict: autouse)
+from helpers import assert_ran, check_linear_cross_entropy, launches, leaves, rel_err, run, within_torch_error
+from test_gpu import rand, strict  # noqa: F401  (strict: autouse)
 
 pytestmark = pytest.mark.gpu
 

@@ -22,6 +22,14 @@ Lse combine(Lse a, Lse b) {
 
 float capped(float z, float cap) { return cap > 0.f ? cap * std::tanh(z / cap) : z; }
 
+// d loss / d z of one logit, unscaled: off = ls/V, hit = 1 − ls, zl = 2·z_loss·lse.
+float grad_of(float raw, float lse, float cap, float off, float hit, float zl, bool is_target) {
+  const float z = capped(raw, cap);
+  float g = std::exp(z - lse) * (1.f + zl) - off - (is_target ? hit : 0.f);
+  if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
+  return g;
+}
+
 template <class T>
 void rows(const CrossEntropyArgs& a) {
   const float cap = a.softcap, eps = a.label_smoothing;
@@ -74,12 +82,7 @@ void rows(const CrossEntropyArgs& a) {
     float scale = (a.grad_scale != nullptr ? *a.grad_scale : 1.f) * (a.row_grad != nullptr ? a.row_grad[r] : 1.f);
     if (bad) scale = NAN;
     const float off = eps / float(vocab), hit = 1.f - eps, zl = 2.f * a.z_loss * lse;
-    for (int64_t j = 0; j < a.n; ++j) {
-      const float z = capped(float(row[j]), cap);
-      float g = std::exp(z - lse) * (1.f + zl) - off - (j == tc ? hit : 0.f);
-      if (cap > 0.f) g *= 1.f - (z / cap) * (z / cap);
-      row[j] = T(scale * g);
-    }
+    for (int64_t j = 0; j < a.n; ++j) row[j] = T(scale * grad_of(float(row[j]), lse, cap, off, hit, zl, j == tc));
   }
 }
 
@@ -122,14 +125,20 @@ void linear_cross_entropy_grad(at::Tensor& dz, const at::Tensor& x, const at::Te
                                int64_t vocab) {
   at::Tensor acc = at::mm(x.to(at::kFloat), w.to(at::kFloat).t());
   if (bias.defined()) acc.add_(bias.to(at::kFloat));
-  at::Tensor z = acc.to(dz.scalar_type()).to(at::kFloat);  // the logits as the GEMM rounds them
-  if (softcap > 0.f) z = at::tanh(z / softcap) * softcap;
-  const at::Tensor l = lse.unsqueeze(1);
-  at::Tensor g = at::exp(z - l) * (1.f + 2.f * z_loss * l) - label_smoothing / float(vocab) -
-                 (classes.unsqueeze(0) == target.unsqueeze(1)).to(at::kFloat) * (1.f - label_smoothing);
-  if (softcap > 0.f) g = g * (1.f - (z / softcap).square());
-  const at::Tensor s = scale.unsqueeze(1);
-  dz.copy_(at::where(s == 0.f, at::zeros_like(g), s * g));
+  dz.copy_(acc);  // the logits, rounded as the GEMM's epilogue rounds them
+  const float off = label_smoothing / float(vocab), hit = 1.f - label_smoothing;
+  const float *cls = classes.data_ptr<float>(), *l = lse.data_ptr<float>(), *t = target.data_ptr<float>(),
+              *s = scale.data_ptr<float>();
+  with_type(dz.scalar_type(), "linear_cross_entropy_grad", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < dz.size(0); ++r) {
+      T* row = static_cast<T*>(dz.data_ptr()) + r * dz.stride(0);
+      for (int64_t j = 0; j < dz.size(1); ++j) {
+        const float g = grad_of(float(row[j]), l[r], softcap, off, hit, 2.f * z_loss * l[r], cls[j] == t[r]);
+        row[j] = T(s[r] == 0.f ? 0.f : s[r] * g);
+      }
+    }
+  });
 }
 
 }  // namespace coda::torch_ops::host

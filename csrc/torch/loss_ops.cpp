@@ -640,13 +640,12 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
                              recomputed);
         continue;
       }
-      const bool to_16 = dtypes[i] == at::kBFloat16 || dtypes[i] == at::kHalf;
-      if (t.scalar_type() == at::kFloat && to_16 && !functional) {
+      if (t.scalar_type() == at::kFloat && is_16_bit(dtypes[i]) && !functional) {
         out[i] = at::empty(t.sizes(), t.options().dtype(dtypes[i]));
         scale_round_on(out[i], t.data_ptr<float>(), out[i].data_ptr(), t.numel(), s.data_ptr<float>());
       } else if (t.scalar_type() == at::kFloat) {
         out[i] = (functional ? t * s : t.mul_(s)).to(dtypes[i]);
-      } else if (functional || (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf)) {
+      } else if (functional || !is_16_bit(t.scalar_type())) {
         out[i] = (t.to(at::kFloat) * s).to(t.scalar_type());
       } else {
         scale_on(t, s.data_ptr<float>());
