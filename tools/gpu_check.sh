@@ -110,6 +110,16 @@ run_bench() {
   timeout -k 10 "${BENCH_TIMEOUT:-540}" python3 -m coda.bench --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1 ||
     status=1
   sed -n '/^case /,$p' "$OUT/bench.log" | grep . || tail -30 "$OUT/bench.log"
+  print_bars
+}
+
+# The LM head's variants against issue 43's bars and their time/memory frontier, from the lm_head file of this run.
+print_bars() {
+  local f
+  f=$(ls -t "$OUT"/*-lm_head-*.json 2>/dev/null | head -1)
+  [ -n "$f" ] || return 0
+  step "LM head against issue 43's bars ($(basename "$f"))"
+  python3 tools/results_table.py --bars "$f" || status=1
 }
 
 # Every fused GEMM of the LLaMA and GPT-2 training steps against cuBLAS's plain GEMM of the same operands,
@@ -123,6 +133,7 @@ run_kernel_bench() {
     timeout -k 10 "${KERNEL_BENCH_TIMEOUT:-480}" python3 -m coda.bench --kernels --only "$section" --out "$OUT" \
       ${KERNEL_BENCH_ARGS:-} > "$OUT/$section.log" 2>&1 || status=1
     grep -E "^  (fused_gemm|generate|lm_head)_" "$OUT/$section.log" || tail -30 "$OUT/$section.log"
+    [ "$section" != lm_head ] || print_bars
   done
 }
 

@@ -9,6 +9,14 @@
 
 Older files also hold sequential timings beside `<case>_interleaved` ones; --budget
 takes the interleaved ones where both exist.
+
+    python tools/results_table.py --bars FILE [case-prefix ...]
+
+--bars: every coda variant of each case (impl `coda` or `coda_*`, e.g. the LM head's
+modes and chunk sizes) against issue 43's bars, from the same run: time over the GEMMs
+alone (`cublas`, <= 1.06), over torch.compile (<= 0.95) and Liger (<= 0.80), peak over
+Liger's (<= 1). `*` marks a bar met; `frontier` marks a variant no other is both faster
+and leaner than, the set the default is picked from.
 """
 
 import json
@@ -61,8 +69,48 @@ def budget(path):
               f"| {x - b:+.3f} ms |")
 
 
+# Issue 43's bars: time ratios to an impl of the same run, and peak memory to Liger's.
+BARS = (("cublas", 1.06), ("compile", 0.95), ("liger", 0.80))
+
+
+def frontier(rows):
+    """The variants no other is both at least as fast and as lean as (and better in one)."""
+    def beaten(a):
+        return any(b is not a and b["median_ms"] <= a["median_ms"] and b["peak_gib"] <= a["peak_gib"]
+                   and (b["median_ms"] < a["median_ms"] or b["peak_gib"] < a["peak_gib"]) for b in rows)
+    return [r for r in rows if "peak_gib" in r and not beaten(r)]
+
+
+def bars(path, prefixes):
+    cases = load(path, prefixes)
+    for case, t in cases.items():
+        mine = [r for i, r in t.items() if i == "coda" or i.startswith("coda_")]
+        if not mine:
+            continue
+        ref = {b: t[b] for b, _ in BARS if b in t}
+        best = {id(r) for r in frontier([r for r in mine if "peak_gib" in r])}
+        print(f"### {case}\n")
+        print("| impl | ms | peak GiB | " + " | ".join(f"/ {b} (<= {x})" for b, x in BARS if b in ref)
+              + (" | peak / liger (<= 1)" if "peak_gib" in t.get("liger", {}) else "") + " | frontier |")
+        print("| --- " * (4 + len(ref) + ("peak_gib" in t.get("liger", {}))) + "|")
+        for r in sorted(mine, key=lambda r: r["median_ms"]):
+            cells = [r["impl"], f"{r['median_ms']:.2f}", f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"]
+            for b, x in BARS:
+                if b in ref:
+                    q = r["median_ms"] / ref[b]["median_ms"]
+                    cells.append(f"{q:.3f}{' *' if q <= x else ''}")
+            if "peak_gib" in t.get("liger", {}):
+                q = r["peak_gib"] / t["liger"]["peak_gib"] if "peak_gib" in r else float("nan")
+                cells.append(f"{q:.3f}{' *' if q <= 1 else ''}")
+            cells.append("yes" if id(r) in best else "")
+            print("| " + " | ".join(cells) + " |")
+        print()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--budget":
         budget(sys.argv[2])
+    elif sys.argv[1] == "--bars":
+        bars(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[1], sys.argv[2:])
