@@ -31,3 +31,12 @@ def test_bars_marks_what_meets_them(tmp_path, capsys):
     assert "| 1.050 * | 0.955 | 0.750 * | 0.917 * | yes |" in out["coda"]
     assert out["coda_fwd"].endswith("| 1.667 | yes |")
     assert out["coda_v1024"].endswith("| 1.083 |  |")
+
+
+def test_no_frontier_where_peak_is_not_measured(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    rows = [row("cublas", 1.0, float("nan")), row("coda", 2.0, float("nan"))]
+    path.write_text(json.dumps({"commit": "abc1234", "date": "d", "device": "cpu", "results": rows}))
+    results_table.bars(str(path), [])
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| coda")] == [
+        "| coda | 2.00 | nan | 2.000 |  |"]
