@@ -40,3 +40,16 @@ def test_no_frontier_where_peak_is_not_measured(tmp_path, capsys):
     results_table.bars(str(path), [])
     assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| coda")] == [
         "| coda | 2.00 | nan | 2.000 |  |"]
+
+
+def test_every_case_keeps_each_variants_worst_ratio(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    rows = [row("cublas", 10.0, 3.0), row("compile", 11.0, 3.0), row("liger", 14.0, 1.2), row("coda", 10.5, 1.1)]
+    rows += [{**r, "case": "lm_head_y", "median_ms": r["median_ms"] * (1.2 if r["impl"] == "coda" else 1)}
+             for r in rows]
+    path.write_text(json.dumps({"commit": "abc1234", "date": "d", "device": "H100", "results": rows}))
+    results_table.bars(str(path), [])
+    out = capsys.readouterr().out
+    summary = out[out.index("### every case"):].splitlines()
+    assert summary[2].startswith("| impl | cases | all bars met in | / cublas | / compile | / liger | peak / liger |")
+    assert "| coda | 2 | 0 | 1.260 | 1.145 | 0.900 | 0.917 * |" in summary
