@@ -18,6 +18,8 @@ alone (`cublas`, <= 1.06), over torch.compile (<= 0.95) and Liger (<= 0.80), pea
 Liger's (<= 1). `*` marks a bar met; `frontier` marks a variant no other is both faster
 and leaner than, the set the default is picked from. With several cases, a last table
 holds each variant's worst ratio over them (the default has to meet the bars at every shape).
+Each case ends with the GEMMs alone against the same bars: a time bar they miss asks for
+the three GEMMs faster than cuBLAS runs them.
 """
 
 import json
@@ -117,6 +119,11 @@ def bars(path, prefixes):
             w["met"] += all(q <= x for _, q, x in qs)
             for n, q, x in qs:
                 w[n] = max(w.get(n, (q, x)), (q, x), key=lambda p: math.inf if p[0] != p[0] else p[0])
+        if "cublas" in t:
+            # the floor: a time bar under 1.000 here asks for the three GEMMs faster than cuBLAS runs them
+            floor = ratios(t["cublas"], t)
+            print("| (GEMMs alone) | " + f"{t['cublas']['median_ms']:.2f} | - | "
+                  + " | ".join(f"{q:.3f}" if n.startswith("/") else "-" for n, q, _ in floor) + " |  |")
         print()
     if len(cases) > 1 and worst:
         # the default must meet the bars at every shape: each variant's worst ratio over the cases
