@@ -51,8 +51,9 @@ CHUNKS = (1024, 2048, 4096, 8192)
 # classes per slice of the recomputing path (coda_v<N>) and tokens per chunk of "half" (coda_half_c<N>): the
 # time each pays to come down to Liger's memory (~0.12 GiB beyond the inputs and gradients at 8,192 x 2048);
 # at 8,192 tokens a slice of 1,024-2,048 classes (16-32 MiB) also stays in the H100's 50 MB L2 between the
-# GEMM that writes it, the cross-entropy pass and the two GEMMs that read it
-SLICES = (1024, 2048, 4096, 8192)
+# GEMM that writes it, the cross-entropy pass and the two GEMMs that read it; at 16,384 x 4096 the recomputed
+# dX's float32 half (128 MiB) leaves Liger's ~0.19 GiB room for about 900 classes a slice, hence 512
+SLICES = (512, 1024, 2048, 4096, 8192)
 HALF_CHUNKS = (1024, 2048)
 EPI_SLICES = (2048,)
 # the impls whose kernels are listed, and the kinds their kernels are summed by (first match)
