@@ -138,6 +138,12 @@ void scale_on(const Tensor& t, const float* scale) {
   check(coda::scale(dtype_of(t), t.data_ptr(), t.numel(), scale, stream()), "scale");
 }
 
+// Bytes of logits a chunk or slice may take: 1/8 of the fp32 logits less
+// `reserve`, at most 512 MiB, at least 16 MiB.
+int64_t logits_budget(int64_t m, int64_t n, int64_t reserve) {
+  return std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
+}
+
 // Tokens per chunk: one chunk of logits (rows padded to 8) and `reserve`
 // bytes (a float32 dX) within 1/8 of the fp32 logits (at least 16 MiB), so
 // 4 chunks at least, and at most 512 MiB of logits per chunk; chunks of
@@ -147,7 +153,7 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   if (requested > 0) return std::min(requested, std::max<int64_t>(m, 1));
   if (m == 0) return 1;
   const int64_t row_bytes = (n + 7) / 8 * 8 * 2;
-  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
+  const int64_t budget = logits_budget(m, n, reserve);
   int64_t rows = std::max<int64_t>(1, std::min(m / 4, budget / row_bytes));
   if (rows >= 8) rows = rows / 8 * 8;
   const int64_t chunks = (m + rows - 1) / rows, even = (m + chunks - 1) / chunks;
@@ -162,7 +168,7 @@ int64_t chunk_rows(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
 int64_t slice_cols(int64_t m, int64_t n, int64_t requested, int64_t reserve) {
   const int64_t padded = (n + 7) / 8 * 8;
   if (requested > 0) return (std::min(padded, requested) + 7) / 8 * 8;
-  const int64_t budget = std::max<int64_t>(std::min<int64_t>(m * n / 2 - reserve, int64_t(512) << 20), 16 << 20);
+  const int64_t budget = logits_budget(m, n, reserve);
   const int64_t cols = std::max<int64_t>(8, std::min(padded, budget / std::max<int64_t>(2 * m, 1)) / 8 * 8);
   const int64_t slices = (n + cols - 1) / cols;
   return std::min(cols, ((n + slices - 1) / slices + 7) / 8 * 8);
